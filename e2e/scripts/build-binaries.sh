@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Builds the real control-plane binaries the e2e environment runs (kube-apiserver,
+# kube-controller-manager, kube-scheduler, etcd, kwok, kwokctl) from the Go module proxy
+# and caches them outside the clone, keyed by version. A second run finds them and exits.
+#
+# Usage: build-binaries.sh            prints the directory holding the binaries
+# Env:   FLOTILLA_K8S_VERSION, FLOTILLA_ETCD_VERSION, FLOTILLA_KWOK_VERSION, XDG_CACHE_HOME
+set -euo pipefail
+
+k8s=${FLOTILLA_K8S_VERSION:-1.34.4}
+etcd=${FLOTILLA_ETCD_VERSION:-3.6.4}
+kwok=${FLOTILLA_KWOK_VERSION:-0.7.0}
+cache=${XDG_CACHE_HOME:-$HOME/.cache}/flotilla
+out=$cache/bin/k8s-v$k8s-etcd-v$etcd-kwok-v$kwok
+want=(kube-apiserver kube-controller-manager kube-scheduler etcd kwok kwokctl)
+
+have_all() { for b in "${want[@]}"; do [ -x "$out/$b" ] || return 1; done; }
+if have_all; then echo "$out"; exit 0; fi
+
+log() { echo "build-binaries: $*" >&2; }
+mkdir -p "$out" "$cache/src"
+export CGO_ENABLED=0 GOFLAGS=-buildvcs=false
+
+# One lock so that two environments started at once do not build twice.
+exec 9>"$cache/build.lock"
+flock 9
+if have_all; then echo "$out"; exit 0; fi
+
+minor=${k8s#*.}; minor=${minor%%.*}
+if [ ! -x "$out/kube-apiserver" ] || [ ! -x "$out/kube-controller-manager" ] || [ ! -x "$out/kube-scheduler" ]; then
+  src=$cache/src/kubernetes-v$k8s
+  mkdir -p "$src"
+  cd "$src"
+  log "building Kubernetes v$k8s control plane in $src (cold: tens of minutes on 2 cores)"
+  [ -f go.mod ] || go mod init flotilla.local/k8s-build >/dev/null 2>&1
+  # k8s.io/kubernetes requires every staging module at v0.0.0, which the proxy does not serve:
+  # replace each with the release's own tag, listed from the release's go.mod.
+  gomod=$(go mod download -json "k8s.io/kubernetes@v$k8s" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
+  staging=$(grep -oE '^\s*k8s\.io/[a-z0-9-]+ => \./staging' "$gomod" | awk '{print $1}' | sort -u)
+  [ -n "$staging" ] || { log "no staging modules found in $gomod"; exit 1; }
+  args=()
+  for m in $staging; do args+=("-replace=$m=$m@v0.$minor.${k8s##*.}"); done
+  go mod edit "${args[@]}" "-require=k8s.io/kubernetes@v$k8s"
+  cat > tools.go <<'GO'
+//go:build tools
+
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+)
+GO
+  go mod tidy -e >&2 2>&1 || true
+  go mod tidy >&2
+  date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  ld="-s -w"
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld+=" -X $p.gitVersion=v$k8s -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean -X $p.buildDate=$date"
+  done
+  go build -trimpath -tags selinux,notest -ldflags "$ld" -o "$out/" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler >&2
+fi
+
+if [ ! -x "$out/etcd" ]; then
+  src=$cache/src/etcd-v$etcd
+  mkdir -p "$src"
+  cd "$src"
+  log "building etcd v$etcd"
+  [ -f go.mod ] || go mod init flotilla.local/etcd-build >/dev/null 2>&1
+  # go install refuses etcd (its go.mod has replace directives): a wrapper main calls etcdmain.
+  cat > main.go <<'GO'
+package main
+
+import (
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+GO
+  go get "go.etcd.io/etcd/server/v3@v$etcd" >&2
+  go mod tidy >&2
+  go build -trimpath -ldflags "-s -w" -o "$out/etcd" . >&2
+fi
+
+if [ ! -x "$out/kwok" ] || [ ! -x "$out/kwokctl" ]; then
+  log "building kwok and kwokctl v$kwok"
+  GOBIN=$out go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@v$kwok" "sigs.k8s.io/kwok/cmd/kwokctl@v$kwok" >&2
+fi
+
+have_all || { log "missing binaries in $out"; exit 1; }
+echo "$out"
