@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the real control-plane binaries the e2e environment runs (kube-apiserver,
-# kube-controller-manager, kube-scheduler, etcd, kwok, kwokctl) from the Go module proxy
+# kube-controller-manager, kube-scheduler, kubectl, etcd, kwok, kwokctl) from the Go module proxy
 # and caches them outside the clone, keyed by version. A second run finds them and exits.
 #
 # Usage: build-binaries.sh            prints the directory holding the binaries
@@ -12,7 +12,9 @@ etcd=${FLOTILLA_ETCD_VERSION:-3.6.4}
 kwok=${FLOTILLA_KWOK_VERSION:-0.7.0}
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/flotilla
 out=$cache/bin/k8s-v$k8s-etcd-v$etcd-kwok-v$kwok
-want=(kube-apiserver kube-controller-manager kube-scheduler etcd kwok kwokctl)
+# kubectl too: kwokctl shells out to it (health checks) and would otherwise download one.
+k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+want=("${k8s_cmds[@]}" etcd kwok kwokctl)
 
 have_all() { for b in "${want[@]}"; do [ -x "$out/$b" ] || return 1; done; }
 if have_all; then echo "$out"; exit 0; fi
@@ -27,7 +29,9 @@ flock 9
 if have_all; then echo "$out"; exit 0; fi
 
 minor=${k8s#*.}; minor=${minor%%.*}
-if [ ! -x "$out/kube-apiserver" ] || [ ! -x "$out/kube-controller-manager" ] || [ ! -x "$out/kube-scheduler" ]; then
+missing_k8s=()
+for b in "${k8s_cmds[@]}"; do [ -x "$out/$b" ] || missing_k8s+=("k8s.io/kubernetes/cmd/$b"); done
+if [ ${#missing_k8s[@]} -gt 0 ]; then
   src=$cache/src/kubernetes-v$k8s
   mkdir -p "$src"
   cd "$src"
@@ -50,6 +54,7 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kubectl"
 )
 GO
   go mod tidy -e >&2 2>&1 || true
@@ -59,8 +64,7 @@ GO
   for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ld+=" -X $p.gitVersion=v$k8s -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean -X $p.buildDate=$date"
   done
-  go build -trimpath -tags selinux,notest -ldflags "$ld" -o "$out/" \
-    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler >&2
+  go build -trimpath -tags selinux,notest -ldflags "$ld" -o "$out/" "${missing_k8s[@]}" >&2
 fi
 
 if [ ! -x "$out/etcd" ]; then

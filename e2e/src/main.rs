@@ -1,1 +1,84 @@
-fn main() {}
+//! `flotilla-e2e`: brings the multi-cluster e2e environment up and down, and runs the tests.
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use flotilla_e2e::{Env, Provider, env};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "flotilla-e2e",
+    about = "Flotilla's multi-cluster e2e environment on real Kubernetes control planes"
+)]
+struct Cli {
+    /// State directory (relative paths are taken from the workspace root)
+    /// [default: <workspace>/target/e2e]
+    #[arg(long, global = true, env = env::DIR_VAR)]
+    dir: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Bring up the host cluster and N member clusters (idempotent)
+    Up {
+        #[arg(long, default_value_t = 2)]
+        members: usize,
+        #[arg(long, value_enum, default_value_t = Provider::Local)]
+        provider: Provider,
+    },
+    /// Stop everything the environment runs and remove its state
+    Down,
+    /// Show the clusters, their processes and their memory; exits 1 if not up and healthy
+    Status,
+    /// Print the path of cluster NAME's kubeconfig (host, cluster1, ...)
+    Kubeconfig { name: String },
+    /// Unit tests + the e2e suite; brings the environment up (and down again) if it is not running
+    Test {
+        #[arg(long, default_value_t = 2)]
+        members: usize,
+        #[arg(long, value_enum, default_value_t = Provider::Local)]
+        provider: Provider,
+    },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let dir = match &cli.dir {
+        Some(d) => env::workspace_root().join(d),
+        None => env::default_dir(),
+    };
+    match run(cli.command, dir).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("flotilla-e2e: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cmd: Cmd, dir: PathBuf) -> Result<bool> {
+    match cmd {
+        Cmd::Up { members, provider } => {
+            let env = flotilla_e2e::up(&dir, members, provider).await?;
+            for c in &env.clusters {
+                println!("{}\t{}", c.name, c.kubeconfig.display());
+            }
+            Ok(true)
+        }
+        Cmd::Down => flotilla_e2e::down(&dir).await.map(|()| true),
+        Cmd::Status => flotilla_e2e::status::status(&dir).await,
+        Cmd::Kubeconfig { name } => {
+            let env = Env::load_from(&dir)?;
+            println!("{}", env.kubeconfig(&name)?.display());
+            Ok(true)
+        }
+        Cmd::Test { members, provider } => {
+            flotilla_e2e::testcmd::run(&dir, members, provider).await
+        }
+    }
+}

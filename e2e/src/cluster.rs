@@ -1,0 +1,125 @@
+//! What every cluster gets once its apiserver answers, whichever provider made it:
+//! the Flotilla CRDs and, on the local provider, a few fake (KWOK) nodes.
+//! Everything is server-side applied, so a second `up` changes nothing.
+
+use crate::env::Provider;
+use crate::wait::wait_for;
+use anyhow::{Context, Result};
+use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, ObjectMeta, Patch, PatchParams};
+use kube::{Client, ResourceExt};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// The field manager of everything `up` applies.
+pub const FIELD_MANAGER: &str = "flotilla-e2e";
+/// How many fake nodes each cluster of the local provider gets.
+pub const FAKE_NODES: usize = 3;
+/// Label on the fake nodes (the value is the usual KWOK one).
+pub const FAKE_NODE_LABEL: (&str, &str) = ("type", "kwok");
+
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
+
+pub async fn prepare(client: &Client, name: &str, provider: Provider) -> Result<()> {
+    wait_for(
+        READY_TIMEOUT,
+        &format!("the apiserver of {name}"),
+        || async { Ok(Some(client.apiserver_version().await?)) },
+    )
+    .await?;
+    install_crds(client).await?;
+    if provider == Provider::Local {
+        fake_nodes(client, FAKE_NODES).await?;
+    }
+    // Pods need the namespace's default ServiceAccount, which kube-controller-manager
+    // creates: waiting for it means the controllers run and tests can create pods at once.
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), "default");
+    wait_for(
+        READY_TIMEOUT,
+        &format!("the default ServiceAccount in {name}"),
+        || async { Ok(sas.get_opt("default").await?.map(|_| ())) },
+    )
+    .await?;
+    Ok(())
+}
+
+/// Applies the project's CRDs (the same objects as `crds/flotilla-crds.yaml`) and waits
+/// until the apiserver serves them.
+pub async fn install_crds(client: &Client) -> Result<()> {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    for crd in flotilla_crds::crds() {
+        let name = crd.name_any();
+        api.patch(&name, &pp, &Patch::Apply(&crd))
+            .await
+            .with_context(|| format!("applying CRD {name}"))?;
+        wait_for(
+            READY_TIMEOUT,
+            &format!("CRD {name} to be Established"),
+            || async {
+                let crd = api.get(&name).await?;
+                Ok(established(&crd).then_some(()))
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+pub fn established(crd: &CustomResourceDefinition) -> bool {
+    crd.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| {
+            cs.iter()
+                .any(|c| c.type_ == "Established" && c.status == "True")
+        })
+}
+
+/// Creates `count` Node objects that the KWOK controller (which kwokctl runs with
+/// `--manage-all-nodes`) keeps Ready and whose bound pods it makes Running and Ready.
+/// No taint: plain Deployments should land on them without tolerations.
+pub async fn fake_nodes(client: &Client, count: usize) -> Result<()> {
+    let api: Api<Node> = Api::all(client.clone());
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    let names: Vec<String> = (0..count).map(|i| format!("kwok-node-{i}")).collect();
+    for name in &names {
+        let node = Node {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                labels: Some(BTreeMap::from([
+                    (FAKE_NODE_LABEL.0.to_string(), FAKE_NODE_LABEL.1.to_string()),
+                    ("kubernetes.io/hostname".to_string(), name.clone()),
+                    ("kubernetes.io/os".to_string(), "linux".to_string()),
+                    ("kubernetes.io/arch".to_string(), "amd64".to_string()),
+                ])),
+                annotations: Some(BTreeMap::from([(
+                    "kwok.x-k8s.io/node".to_string(),
+                    "fake".to_string(),
+                )])),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        api.patch(name, &pp, &Patch::Apply(&node))
+            .await
+            .with_context(|| format!("applying node {name}"))?;
+    }
+    for name in &names {
+        wait_for(
+            READY_TIMEOUT,
+            &format!("node {name} to be Ready"),
+            || async {
+                let node = api.get(name).await?;
+                let ready = node
+                    .status
+                    .and_then(|s| s.conditions)
+                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+                Ok(ready.then_some(()))
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,225 @@
+//! The local provider: each cluster is a `kwokctl --runtime binary` cluster, i.e. etcd,
+//! kube-apiserver, kube-controller-manager, kube-scheduler and kwok-controller running as
+//! local processes on 127.0.0.1, from binaries built once by `scripts/build-binaries.sh`.
+//!
+//! kwokctl's work dir is `<state dir>/kwok` (via `KWOK_WORKDIR`), so environments in
+//! different state dirs do not see each other; kwokctl picks free ports for every component.
+//! Teardown does not need kwokctl: it stops the recorded PIDs and removes the work dir.
+
+use crate::env::{ClusterState, Env, workspace_root};
+use crate::process::{self, ProcessRecord};
+use anyhow::{Context, Result, bail};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+/// kwokctl's work dir, inside the state dir.
+const KWOK_DIR: &str = "kwok";
+/// The Kubernetes version the binaries are built at (kwokctl is told, not left to guess).
+const KUBE_VERSION: &str = "v1.34.4";
+
+/// Builds the control-plane binaries if they are not cached yet and returns their
+/// directory. Cached, this takes well under a second; cold, many minutes.
+pub async fn binaries() -> Result<PathBuf> {
+    let script = workspace_root()
+        .join("e2e")
+        .join("scripts")
+        .join("build-binaries.sh");
+    let out = tokio::process::Command::new("bash")
+        .arg(&script)
+        .env("FLOTILLA_K8S_VERSION", KUBE_VERSION.trim_start_matches('v'))
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .await
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} failed ({}); its output is above",
+            script.display(),
+            out.status
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let dir = PathBuf::from(stdout.lines().last().unwrap_or_default().trim());
+    if !dir.join("kwokctl").is_file() {
+        bail!(
+            "{} printed {:?}, which holds no kwokctl",
+            script.display(),
+            dir
+        );
+    }
+    Ok(dir)
+}
+
+/// kwokctl's configuration: the runtime, our binaries (so nothing is downloaded), loopback.
+fn kwokctl_config(bin: &Path) -> String {
+    let b = bin.display();
+    format!(
+        "# Written by flotilla-e2e.\n\
+         apiVersion: config.kwok.x-k8s.io/v1alpha1\n\
+         kind: KwokctlConfiguration\n\
+         options:\n\
+        \x20 runtime: binary\n\
+        \x20 kubeVersion: {KUBE_VERSION}\n\
+        \x20 kubeBinaryPrefix: {b}\n\
+        \x20 kubectlBinary: {b}/kubectl\n\
+        \x20 etcdBinary: {b}/etcd\n\
+        \x20 kwokControllerBinary: {b}/kwok\n\
+        \x20 bindAddress: 127.0.0.1\n"
+    )
+}
+
+pub async fn up(env: &mut Env) -> Result<()> {
+    let bin = binaries().await?;
+    let workdir = env.dir.join(KWOK_DIR);
+    std::fs::create_dir_all(&workdir).with_context(|| format!("creating {}", workdir.display()))?;
+    // kwokctl reads `$KWOK_WORKDIR/kwok.yaml` by default, for every command.
+    std::fs::write(workdir.join("kwok.yaml"), kwokctl_config(&bin))?;
+    let logs = env.dir.join("logs");
+    std::fs::create_dir_all(&logs)?;
+    // One at a time: kwokctl avoids the ports of the clusters it already knows.
+    for i in 0..env.clusters.len() {
+        let c = &env.clusters[i];
+        let log = logs.join(format!("kwokctl-{}.log", c.name));
+        let kubeconfig = c.kubeconfig.to_string_lossy().into_owned();
+        let args = [
+            "create",
+            "cluster",
+            "--name",
+            &c.name,
+            "--kubeconfig",
+            &kubeconfig,
+            "--wait",
+            "2m",
+        ];
+        kwokctl(&bin, &workdir, &args, &log)
+            .await
+            .with_context(|| format!("creating cluster {}", c.name))?;
+        let components = components(&workdir, &c.name)?;
+        env.clusters[i].components = components;
+        env.save()?;
+    }
+    Ok(())
+}
+
+async fn kwokctl(bin: &Path, workdir: &Path, args: &[&str], log: &Path) -> Result<()> {
+    let file = std::fs::File::options()
+        .create(true)
+        .append(true)
+        .open(log)?;
+    // Our bin dir first on PATH: kwokctl runs `kubectl`, and must find ours.
+    let path = match std::env::var_os("PATH") {
+        Some(p) => std::env::join_paths(
+            std::iter::once(bin.to_path_buf()).chain(std::env::split_paths(&p)),
+        )?,
+        None => bin.as_os_str().to_owned(),
+    };
+    let status = tokio::process::Command::new(bin.join("kwokctl"))
+        .args(args)
+        .env("KWOK_WORKDIR", workdir)
+        .env("PATH", path)
+        .stdin(Stdio::null())
+        .stdout(file.try_clone()?)
+        .stderr(file)
+        .status()
+        .await
+        .context("running kwokctl")?;
+    if !status.success() {
+        bail!(
+            "kwokctl {} failed ({status}); last lines of {}:\n{}",
+            args.join(" "),
+            log.display(),
+            tail(log, 15)
+        );
+    }
+    Ok(())
+}
+
+fn tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// The processes kwokctl started for cluster `name`, from its pid files. A PID is only
+/// taken if the process runs one of that cluster's binaries, so a stale pid file never
+/// points us at an unrelated process.
+fn components(workdir: &Path, name: &str) -> Result<Vec<ProcessRecord>> {
+    let cluster = workdir.join("clusters").join(name);
+    let pids = cluster.join("pids");
+    let mut out = Vec::new();
+    let entries = match std::fs::read_dir(&pids) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(e).with_context(|| format!("listing {}", pids.display())),
+    };
+    for entry in entries {
+        let path = entry?.path();
+        let Some(component) = path.file_stem().and_then(|s| s.to_str()) else {
+            continue;
+        };
+        let Ok(pid) = std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .trim()
+            .parse::<u32>()
+        else {
+            continue;
+        };
+        let exe = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if !String::from_utf8_lossy(&exe).starts_with(&*cluster.to_string_lossy()) {
+            continue;
+        }
+        let log = cluster.join("logs").join(format!("{component}.log"));
+        let record = ProcessRecord::observe(&format!("{name}/{component}"), pid, Some(log));
+        if record.alive() {
+            out.push(record);
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// Stops every control-plane process of the environment by PID, checks that no process
+/// mentioning the work dir is left, and removes the work dir.
+pub fn down(dir: &Path, state: Option<&Env>) -> Result<()> {
+    let workdir = dir.join(KWOK_DIR);
+    let mut procs: Vec<ProcessRecord> = state
+        .map(|e| {
+            e.clusters
+                .iter()
+                .flat_map(|c: &ClusterState| c.components.clone())
+                .collect()
+        })
+        .unwrap_or_default();
+    // Also what the pid files say, for a half-finished `up` that recorded nothing yet.
+    if let Ok(entries) = std::fs::read_dir(workdir.join("clusters")) {
+        for entry in entries.flatten() {
+            if let Some(name) = entry.file_name().to_str() {
+                procs.extend(components(&workdir, name)?);
+            }
+        }
+    }
+    procs.sort_by_key(|p| p.pid);
+    procs.dedup_by_key(|p| p.pid);
+    process::stop_many(&procs, Duration::from_secs(15))?;
+    let left = process::mentioning(&workdir);
+    if !left.is_empty() {
+        // Not recorded, yet running from our work dir: ours all the same. Stop them, say so.
+        let names: Vec<String> = left
+            .iter()
+            .map(|p| format!("{} (PID {})", p.name, p.pid))
+            .collect();
+        eprintln!(
+            "flotilla-e2e: stopping unrecorded processes from {}: {}",
+            workdir.display(),
+            names.join(", ")
+        );
+        process::stop_many(&left, Duration::from_secs(5))?;
+    }
+    match std::fs::remove_dir_all(&workdir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("removing {}", workdir.display())),
+    }
+}

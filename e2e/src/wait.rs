@@ -1,0 +1,69 @@
+//! Polling with a deadline: the one way tests and `up` wait for the clusters.
+
+use anyhow::{Result, anyhow};
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+/// How often [`wait_for`] polls.
+pub const POLL: Duration = Duration::from_millis(200);
+
+/// Polls `check` until it returns `Ok(Some(value))` or `timeout` passes.
+///
+/// `Ok(None)` means "not yet"; an `Err` is treated as "not yet" too (apiservers starting
+/// up answer with errors for a while), and the last one is reported if time runs out.
+pub async fn wait_for<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Option<T>>>,
+{
+    let deadline = Instant::now() + timeout;
+    let mut last_err = None;
+    loop {
+        match check().await {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last_err = Some(e),
+        }
+        if Instant::now() >= deadline {
+            return Err(match last_err {
+                Some(e) => {
+                    anyhow!("timed out after {timeout:?} waiting for {what}; last error: {e:#}")
+                }
+                None => anyhow!("timed out after {timeout:?} waiting for {what}"),
+            });
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn returns_the_first_value() {
+        let mut n = 0;
+        let v = wait_for(Duration::from_secs(5), "n to reach 3", || {
+            n += 1;
+            let n = n;
+            async move { Ok((n >= 3).then_some(n)) }
+        })
+        .await
+        .unwrap();
+        assert_eq!(v, 3);
+    }
+
+    #[tokio::test]
+    async fn times_out_with_the_last_error() {
+        let err = wait_for::<(), _, _>(Duration::from_millis(300), "nothing", || async {
+            Err(anyhow!("still broken"))
+        })
+        .await
+        .unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(
+            msg.contains("waiting for nothing") && msg.contains("still broken"),
+            "{msg}"
+        );
+    }
+}
