@@ -1,1 +1,11 @@
+//! The Flotilla agent, one per member cluster. Modules follow the data flow: the hub
+//! session and sync (to come) write MyApps; `operator` turns each MyApp into a running
+//! Deployment; `webhook` converts between MyApp versions for the apiserver. `metrics`,
+//! `telemetry`, `http` and `shutdown` serve them all; `cli` wires them together.
 
+pub mod cli;
+pub mod http;
+pub mod metrics;
+pub mod operator;
+pub mod shutdown;
+pub mod telemetry;

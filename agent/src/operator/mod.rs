@@ -1,0 +1,378 @@
+//! The MyApp controller: each MyApp becomes a ConfigMap and a Deployment (see
+//! [`children`]), and its status mirrors the Deployment (see [`status`]).
+//!
+//! - The MyApp watch passes only generation changes, so status writes (ours, or the hub's
+//!   readers') never cause spec work; owned Deployments and ConfigMaps are watched in
+//!   full, so a rollout's progress updates the status and a hand edit or delete is put
+//!   back at once.
+//! - Every successful reconcile is repeated after the resync period.
+//! - Children are written by server-side apply with the field manager
+//!   [`FIELD_MANAGER`], forcing ownership of the fields the operator sets.
+//! - Errors are per object: one failing MyApp is retried on its own and never holds up
+//!   the others.
+
+pub mod children;
+pub mod status;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use flotilla_crds::MyApp;
+use futures::StreamExt;
+use futures::future::join_all;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::{WatchStreamExt, predicates, reflector, watcher};
+use kube::{Api, Client, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::http::Gate;
+use crate::metrics::Metrics;
+use children::{BuildError, MANAGED_BY, MANAGED_BY_LABEL};
+use status::Problem;
+
+/// The `controller` label of the metrics and the reporting controller of Events.
+pub const CONTROLLER: &str = "myapp";
+pub const FIELD_MANAGER: &str = "flotilla-operator";
+/// Retry delay after a transient failure (apiserver unreachable, conflict, ...).
+const RETRY: Duration = Duration::from_secs(15);
+
+/// Which namespaces the operator watches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Namespaces {
+    All,
+    Only(Vec<String>),
+}
+
+#[derive(Clone, Debug)]
+pub struct OperatorConfig {
+    pub namespaces: Namespaces,
+    /// Every MyApp is reconciled again after this long even without a change.
+    pub resync: Duration,
+    /// Reconciles running at once (0: unbounded).
+    pub concurrency: u16,
+    /// `reportingInstance` of Events, e.g. the pod name.
+    pub instance: Option<String>,
+}
+
+impl Default for OperatorConfig {
+    fn default() -> Self {
+        Self {
+            namespaces: Namespaces::All,
+            resync: Duration::from_secs(3600),
+            concurrency: 16,
+            instance: None,
+        }
+    }
+}
+
+#[derive(thiserror::Error, Debug)]
+pub enum Error {
+    #[error("cannot build children: {0}")]
+    Build(#[from] BuildError),
+    #[error("applying {kind} {name}: {source}")]
+    Apply {
+        kind: &'static str,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("reading {kind} {name}: {source}")]
+    Read {
+        kind: &'static str,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("writing the MyApp status: {0}")]
+    Status(#[source] kube::Error),
+}
+
+struct Context {
+    client: Client,
+    recorder: Recorder,
+    metrics: Arc<Metrics>,
+    resync: Duration,
+}
+
+/// Runs the MyApp controller until `shutdown` fires, opening `ready` once every watched
+/// namespace has been listed. Meant to run beside the hub session in `flotilla-agent
+/// run`, and alone in `flotilla-agent operator`.
+pub async fn run_operator(
+    client: Client,
+    config: OperatorConfig,
+    metrics: Arc<Metrics>,
+    ready: Gate,
+    shutdown: CancellationToken,
+) {
+    let reporter = Reporter {
+        controller: FIELD_MANAGER.into(),
+        instance: config.instance.clone(),
+    };
+    let ctx = Arc::new(Context {
+        recorder: Recorder::new(client.clone(), reporter),
+        client: client.clone(),
+        metrics,
+        resync: config.resync,
+    });
+    // One controller per namespace when restricted: a reflector store cannot merge
+    // several watches, and a namespaced watch needs no cluster-wide list permission.
+    let scopes: Vec<Option<String>> = match &config.namespaces {
+        Namespaces::All => vec![None],
+        Namespaces::Only(list) => list.iter().cloned().map(Some).collect(),
+    };
+    let mut stores = Vec::new();
+    let mut controllers = Vec::new();
+    for scope in scopes {
+        let (reader, writer) = reflector::store::<MyApp>();
+        stores.push(reader.clone());
+        let apps = reflector(
+            writer,
+            watcher(
+                api::<MyApp>(&client, scope.as_deref()),
+                watcher::Config::default(),
+            ),
+        )
+        .default_backoff()
+        .applied_objects()
+        .predicate_filter(predicates::generation, Default::default());
+        let owned = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"));
+        let controller = Controller::for_stream(apps, reader)
+            .owns(api::<Deployment>(&client, scope.as_deref()), owned.clone())
+            .owns(api::<ConfigMap>(&client, scope.as_deref()), owned)
+            .with_config(controller::Config::default().concurrency(config.concurrency))
+            .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+            .run(reconcile, error_policy, ctx.clone())
+            .for_each(|result| async move {
+                match result {
+                    Ok((app, _)) => {
+                        debug!(namespace = app.namespace, name = app.name, "reconciled")
+                    }
+                    // Reconcile failures were logged by the error policy.
+                    Err(controller::Error::ReconcilerFailed(..)) => {}
+                    Err(e) => debug!(error = %e, "controller"),
+                }
+            });
+        controllers.push(controller);
+    }
+    info!(namespaces = ?config.namespaces, resync = ?config.resync, "MyApp operator starting");
+    let synced = async move {
+        for store in stores {
+            // Only fails if the writer is dropped, i.e. at shutdown.
+            if store.wait_until_ready().await.is_err() {
+                return;
+            }
+        }
+        ready.open();
+        info!("MyApp operator synced");
+    };
+    tokio::join!(join_all(controllers), synced);
+    info!("MyApp operator stopped");
+}
+
+fn api<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+async fn reconcile(app: Arc<MyApp>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let timer = ctx.metrics.reconcile(CONTROLLER);
+    let result = reconcile_app(&app, &ctx).await;
+    timer.done(result.is_ok());
+    if let Err(e) = &result {
+        ctx.event(
+            &app,
+            EventType::Warning,
+            "ReconcileFailed",
+            "Reconcile",
+            e.to_string(),
+        )
+        .await;
+    }
+    result
+}
+
+fn error_policy(app: Arc<MyApp>, error: &Error, _ctx: Arc<Context>) -> Action {
+    warn!(namespace = app.namespace(), name = app.name_any(), error = %error, "reconcile failed; retrying");
+    Action::requeue(RETRY)
+}
+
+#[tracing::instrument(skip_all, fields(namespace = app.namespace(), name = app.name_any()))]
+async fn reconcile_app(app: &MyApp, ctx: &Context) -> Result<Action, Error> {
+    if app.metadata.deletion_timestamp.is_some() {
+        // The garbage collector removes the children through their owner references.
+        return Ok(Action::await_change());
+    }
+    let namespace = app.namespace().ok_or(BuildError::Unnamed)?;
+    let config_map = children::config_map(app)?;
+    let deployment = children::deployment(app)?;
+    let config_maps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &namespace);
+    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &namespace);
+
+    // The ConfigMap goes first, so that pods of a new checksum mount the config it names.
+    let mut problem = match apply(&config_maps, &config_map).await {
+        Ok((_, change)) => {
+            ctx.announce(app, "ConfigMap", &config_map, change).await;
+            None
+        }
+        Err(e) => rejected(e).map_err(|source| Error::Apply {
+            kind: "ConfigMap",
+            name: name(&config_map),
+            source,
+        })?,
+    };
+    let current = match (deployment, &problem) {
+        (Some(deployment), None) => match apply(&deployments, &deployment).await {
+            Ok((applied, change)) => {
+                ctx.announce(app, "Deployment", &deployment, change).await;
+                Some(applied)
+            }
+            Err(e) => {
+                problem = rejected(e).map_err(|source| Error::Apply {
+                    kind: "Deployment",
+                    name: name(&deployment),
+                    source,
+                })?;
+                None
+            }
+        },
+        (None, _) => {
+            problem = Some(Problem::ImageMissing);
+            None
+        }
+        (Some(_), Some(_)) => None,
+    };
+    // With a problem, an existing Deployment is left untouched, and still reported.
+    let current = match current {
+        Some(d) => Some(d),
+        None => {
+            let name = children::deployment_name(&app.name_any());
+            deployments
+                .get_opt(&name)
+                .await
+                .map_err(|source| Error::Read {
+                    kind: "Deployment",
+                    name,
+                    source,
+                })?
+        }
+    };
+    if let Some(p) = &problem {
+        ctx.event(
+            app,
+            EventType::Warning,
+            p.reason(),
+            "Reconcile",
+            p.message(),
+        )
+        .await;
+    }
+
+    let status = status::compute(app, current.as_ref(), problem.as_ref(), Timestamp::now());
+    if app.status.as_ref() != Some(&status) {
+        let apps: Api<MyApp> = Api::namespaced(ctx.client.clone(), &namespace);
+        let patch = Patch::Merge(serde_json::json!({ "status": status }));
+        match apps
+            .patch_status(&app.name_any(), &PatchParams::default(), &patch)
+            .await
+        {
+            Ok(_) => debug!(
+                ready = status.ready,
+                ready_replicas = status.ready_replicas,
+                "status written"
+            ),
+            // Deleted meanwhile: nothing left to report on.
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Action::await_change()),
+            Err(e) => return Err(Error::Status(e)),
+        }
+    }
+    Ok(Action::requeue(ctx.resync))
+}
+
+/// What a server-side apply did to the object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Change {
+    Created,
+    Updated,
+    Unchanged,
+}
+
+/// Server-side applies `object`, telling whether it was created or its spec changed:
+/// the generation where the type has one, else the resource version.
+async fn apply<K>(api: &Api<K>, object: &K) -> Result<(K, Change), kube::Error>
+where
+    K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
+{
+    let name = name(object);
+    let version = |o: &K| {
+        o.meta()
+            .generation
+            .map(|g| g.to_string())
+            .or_else(|| o.meta().resource_version.clone())
+    };
+    let before = api.get_opt(&name).await?;
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    let after = api.patch(&name, &params, &Patch::Apply(object)).await?;
+    let change = match before {
+        None => Change::Created,
+        Some(b) if version(&b) != version(&after) => Change::Updated,
+        Some(_) => Change::Unchanged,
+    };
+    Ok((after, change))
+}
+
+/// A rejection of the object itself (4xx other than conflicts and throttling) is the
+/// spec's problem, reported on the MyApp and retried on its next change; anything else
+/// is transient and retried soon.
+fn rejected(e: kube::Error) -> Result<Option<Problem>, kube::Error> {
+    match &e {
+        kube::Error::Api(s) if matches!(s.code, 400 | 422) => {
+            Ok(Some(Problem::InvalidSpec(s.message.clone())))
+        }
+        _ => Err(e),
+    }
+}
+
+fn name<K: Resource>(object: &K) -> String {
+    object.meta().name.clone().unwrap_or_default()
+}
+
+impl Context {
+    async fn announce<K: Resource>(&self, app: &MyApp, kind: &str, object: &K, change: Change) {
+        let name = name(object);
+        let (reason, note) = match change {
+            Change::Created => (format!("{kind}Created"), format!("created {kind} {name}")),
+            Change::Updated => (format!("{kind}Updated"), format!("updated {kind} {name}")),
+            Change::Unchanged => return,
+        };
+        info!(namespace = app.namespace(), app = app.name_any(), "{note}");
+        self.event(app, EventType::Normal, &reason, "Apply", note)
+            .await;
+    }
+
+    /// Publishes an Event on the MyApp; a failure to publish is logged, never fatal.
+    async fn event(&self, app: &MyApp, type_: EventType, reason: &str, action: &str, note: String) {
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: action.into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, &app.object_ref(&())).await {
+            warn!(error = %e, reason, "cannot publish Event");
+        }
+    }
+}
