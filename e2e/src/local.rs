@@ -202,7 +202,17 @@ pub fn down(dir: &Path, state: Option<&Env>) -> Result<()> {
     }
     procs.sort_by_key(|p| p.pid);
     procs.dedup_by_key(|p| p.pid);
-    process::stop_many(&procs, Duration::from_secs(15))?;
+    // Clients first, then the apiservers, then etcd: an apiserver whose etcd is gone spends
+    // its shutdown retrying etcd instead of exiting.
+    let tier = |p: &ProcessRecord| match p.name.rsplit('/').next() {
+        Some("etcd") => 2,
+        Some("kube-apiserver") => 1,
+        _ => 0,
+    };
+    for t in 0..=2 {
+        let group: Vec<ProcessRecord> = procs.iter().filter(|p| tier(p) == t).cloned().collect();
+        process::stop_many(&group, Duration::from_secs(15))?;
+    }
     let left = process::mentioning(&workdir);
     if !left.is_empty() {
         // Not recorded, yet running from our work dir: ours all the same. Stop them, say so.

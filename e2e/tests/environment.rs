@@ -1,0 +1,274 @@
+//! Proves that the e2e environment is real: the apiservers are Kubernetes' own, they
+//! enforce the project's CRD schemas, and Deployments get (fake) pods that become Ready.
+//!
+//! Needs a running environment (`cargo run -p flotilla-e2e -- up`, or let
+//! `cargo run -p flotilla-e2e -- test` do everything); without one every test fails and
+//! says so.
+
+use flotilla_e2e::{Env, Provider, wait_for};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PostParams,
+};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+async fn env() -> Env {
+    Env::load_ready()
+        .await
+        .unwrap_or_else(|e| panic!("the e2e environment is not up: {e:#}"))
+}
+
+async fn client(env: &Env, name: &str) -> Client {
+    env.client(name)
+        .await
+        .unwrap_or_else(|e| panic!("no client for {name}: {e:#}"))
+}
+
+fn unique(prefix: &str) -> String {
+    let ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis();
+    format!("{prefix}-{ms}")
+}
+
+#[tokio::test]
+async fn environment_has_a_host_and_members() {
+    let env = env().await;
+    assert_eq!(env.clusters[0].name, env.host());
+    assert!(
+        !env.members().is_empty(),
+        "no member clusters in {:?}",
+        env.clusters
+    );
+    for c in &env.clusters {
+        assert!(
+            env.kubeconfig(&c.name).unwrap().is_file(),
+            "kubeconfig of {} missing",
+            c.name
+        );
+    }
+}
+
+#[tokio::test]
+async fn crds_are_installed_on_host_and_members() {
+    let env = env().await;
+    for c in &env.clusters {
+        let api: Api<CustomResourceDefinition> = Api::all(client(&env, &c.name).await);
+        let listed: Vec<String> = api
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .iter()
+            .map(|c| c.name_any())
+            .collect();
+        for want in flotilla_crds::crds() {
+            let name = want.name_any();
+            assert!(
+                listed.contains(&name),
+                "CRD {name} not listed on {}: {listed:?}",
+                c.name
+            );
+            let crd = api.get(&name).await.unwrap();
+            assert!(
+                flotilla_e2e::cluster::established(&crd),
+                "CRD {name} not Established on {}",
+                c.name
+            );
+        }
+        // MyApp serves all three versions and stores v1, as installed.
+        let myapp = api.get("myapps.app.example.com").await.unwrap();
+        let served: Vec<(&str, bool)> = myapp
+            .spec
+            .versions
+            .iter()
+            .map(|v| (v.name.as_str(), v.storage))
+            .collect();
+        assert!(served.contains(&("v1", true)), "{served:?}");
+        assert!(
+            served.iter().any(|(v, _)| *v == "v1beta1")
+                && served.iter().any(|(v, _)| *v == "v1alpha1"),
+            "{served:?}"
+        );
+    }
+}
+
+fn myapps(client: Client) -> Api<DynamicObject> {
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk("app.example.com", "v1", "MyApp"));
+    Api::namespaced_with(client, "default", &ar)
+}
+
+fn myapp(name: &str, spec: serde_json::Value) -> DynamicObject {
+    serde_json::from_value(json!({
+        "apiVersion": "app.example.com/v1",
+        "kind": "MyApp",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": spec,
+    }))
+    .unwrap()
+}
+
+/// Creates the MyApp (server-side dry run: the schema check runs, nothing is stored) and
+/// returns the apiserver's rejection message.
+async fn rejection(api: &Api<DynamicObject>, obj: &DynamicObject) -> String {
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    match api.create(&dry, obj).await {
+        Err(kube::Error::Api(status)) => {
+            assert_eq!(
+                status.code, 422,
+                "expected 422 Unprocessable Entity, got {status:?}"
+            );
+            assert_eq!(status.reason, "Invalid", "{status:?}");
+            status.message
+        }
+        Err(e) => panic!("expected the apiserver to reject the MyApp as invalid, got {e}"),
+        Ok(_) => panic!("the apiserver accepted an invalid MyApp: {obj:?}"),
+    }
+}
+
+#[tokio::test]
+async fn member_apiserver_rejects_a_myapp_with_11_replicas() {
+    let env = env().await;
+    for member in env.members() {
+        let api = myapps(client(&env, member).await);
+        let msg = rejection(
+            &api,
+            &myapp("too-many", json!({"replicas": 11, "image": "nginx:1.27"})),
+        )
+        .await;
+        assert!(
+            msg.contains("spec.replicas in body should be less than or equal to 10"),
+            "{member}: {msg}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn member_apiserver_rejects_a_myapp_whose_image_has_no_tag() {
+    let env = env().await;
+    for member in env.members() {
+        let api = myapps(client(&env, member).await);
+        let msg = rejection(
+            &api,
+            &myapp("untagged", json!({"replicas": 1, "image": "nginx"})),
+        )
+        .await;
+        assert!(
+            msg.contains(r"spec.image in body should match '^.+:.+$'"),
+            "{member}: {msg}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn member_apiserver_accepts_a_valid_myapp() {
+    // The control for the two rejections above: the same object with valid values passes.
+    let env = env().await;
+    for member in env.members() {
+        let api = myapps(client(&env, member).await);
+        let dry = PostParams {
+            dry_run: true,
+            ..Default::default()
+        };
+        let ok = api
+            .create(
+                &dry,
+                &myapp("valid", json!({"replicas": 10, "image": "nginx:1.27"})),
+            )
+            .await;
+        assert!(ok.is_ok(), "{member}: {ok:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_deployment_on_a_member_becomes_available_with_fake_pods() {
+    let env = env().await;
+    let member = env.members()[0];
+    let client = client(&env, member).await;
+    let ns = unique("e2e-env");
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"metadata": {"name": ns}})).unwrap(),
+        )
+        .await
+        .unwrap();
+
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    let deployment: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "pause"},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": {"app": "pause"}},
+            "template": {
+                "metadata": {"labels": {"app": "pause"}},
+                "spec": {"containers": [{"name": "pause", "image": "registry.k8s.io/pause:3.10"}]}
+            }
+        }
+    }))
+    .unwrap();
+    deployments
+        .create(&PostParams::default(), &deployment)
+        .await
+        .unwrap();
+
+    let available = wait_for(
+        Duration::from_secs(90),
+        "Deployment pause to be Available with 2 ready replicas",
+        || async {
+            let d = deployments.get("pause").await?;
+            let status = d.status.unwrap_or_default();
+            let available = status
+                .conditions
+                .unwrap_or_default()
+                .iter()
+                .any(|c| c.type_ == "Available" && c.status == "True");
+            Ok((available && status.ready_replicas == Some(2)).then_some(()))
+        },
+    )
+    .await;
+
+    let pods: Vec<Pod> = Api::<Pod>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items;
+    let placed: Vec<(String, String, String)> = pods
+        .iter()
+        .map(|p| {
+            let node = p
+                .spec
+                .as_ref()
+                .and_then(|s| s.node_name.clone())
+                .unwrap_or_default();
+            let phase = p
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_default();
+            (p.name_any(), node, phase)
+        })
+        .collect();
+    let _ = namespaces.delete(&ns, &DeleteParams::default()).await;
+    available.unwrap_or_else(|e| panic!("{e:#}; pods: {placed:?}"));
+
+    assert_eq!(placed.len(), 2, "{placed:?}");
+    for (pod, node, phase) in &placed {
+        assert_eq!(phase, "Running", "pod {pod}");
+        if env.provider == Provider::Local {
+            assert!(
+                node.starts_with("kwok-node-"),
+                "pod {pod} on {node}, not on a fake node"
+            );
+        }
+    }
+}
