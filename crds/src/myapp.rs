@@ -72,7 +72,9 @@ pub mod v1 {
     use super::*;
 
     /// The desired state of one application in one cluster.
-    #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+    #[derive(
+        CustomResource, Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema,
+    )]
     #[kube(
         group = "app.example.com",
         version = "v1",
@@ -104,7 +106,9 @@ pub mod v1beta1 {
     use super::*;
 
     /// `v1beta1`: the ConfigMap contents were called `configData`.
-    #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+    #[derive(
+        CustomResource, Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema,
+    )]
     #[kube(
         group = "app.example.com",
         version = "v1beta1",
@@ -127,12 +131,20 @@ pub mod v1beta1 {
 
     impl From<MyAppSpec> for v1::MyAppSpec {
         fn from(s: MyAppSpec) -> Self {
-            Self { replicas: s.replicas, workload: s.workload, config: s.config_data }
+            Self {
+                replicas: s.replicas,
+                workload: s.workload,
+                config: s.config_data,
+            }
         }
     }
     impl From<v1::MyAppSpec> for MyAppSpec {
         fn from(s: v1::MyAppSpec) -> Self {
-            Self { replicas: s.replicas, workload: s.workload, config_data: s.config }
+            Self {
+                replicas: s.replicas,
+                workload: s.workload,
+                config_data: s.config,
+            }
         }
     }
 }
@@ -141,7 +153,9 @@ pub mod v1alpha1 {
     use super::*;
 
     /// `v1alpha1`: `replicas` was called `size`, the ConfigMap contents `configData`.
-    #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+    #[derive(
+        CustomResource, Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema,
+    )]
     #[kube(
         group = "app.example.com",
         version = "v1alpha1",
@@ -164,12 +178,20 @@ pub mod v1alpha1 {
 
     impl From<MyAppSpec> for v1::MyAppSpec {
         fn from(s: MyAppSpec) -> Self {
-            Self { replicas: s.size, workload: s.workload, config: s.config_data }
+            Self {
+                replicas: s.size,
+                workload: s.workload,
+                config: s.config_data,
+            }
         }
     }
     impl From<v1::MyAppSpec> for MyAppSpec {
         fn from(s: v1::MyAppSpec) -> Self {
-            Self { size: s.replicas, workload: s.workload, config_data: s.config }
+            Self {
+                size: s.replicas,
+                workload: s.workload,
+                config_data: s.config,
+            }
         }
     }
 }

@@ -1,1 +1,7 @@
+//! The Flotilla hub. Modules follow the data flow: `placement` (which clusters),
+//! `overrides` (per-cluster changes), `render` (template + overrides + schema + hash).
 
+pub mod cli;
+pub mod overrides;
+pub mod placement;
+pub mod render;

@@ -1,0 +1,65 @@
+//! Render throughput: one FederatedMyApp × 100 clusters × 5 overrides each, against a
+//! floor measured in the same run (serializing the template once per cluster, which any
+//! render must at least do).
+
+use std::hint::black_box;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use flotilla_crds::FederatedMyApp;
+use flotilla_hub::placement::Members;
+use flotilla_hub::render::render;
+use serde_json::json;
+
+const CLUSTERS: usize = 100;
+
+fn fixture() -> (FederatedMyApp, Members) {
+    let names: Vec<String> = (0..CLUSTERS).map(|i| format!("cluster{i:03}")).collect();
+    let overrides: Vec<_> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            json!({"clusterName": name, "clusterOverrides": [
+                {"path": "/spec/replicas", "value": 1 + i % 10},
+                {"op": "add", "path": "/spec/port", "value": 8000 + i},
+                {"op": "add", "path": "/spec/config/region", "value": format!("r{i}")},
+                {"op": "add", "path": "/metadata/labels/shard", "value": format!("s{}", i % 7)},
+                {"op": "replace", "path": "/spec/image", "value": format!("nginx:1.{i}")},
+            ]})
+        })
+        .collect();
+    let app = json!({
+        "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+        "metadata": {"name": "bench", "namespace": "default"},
+        "spec": {
+            "placement": {"clusters": names.iter().map(|n| json!({"name": n})).collect::<Vec<_>>()},
+            "template": {"metadata": {"labels": {"app": "bench"}},
+                         "spec": {"replicas": 3, "image": "nginx:1.27", "config": {"a.conf": "x=1"}}},
+            "overrides": overrides,
+        }
+    });
+    let app: FederatedMyApp = serde_json::from_value(app).unwrap();
+    let members = names.into_iter().map(|n| (n, Default::default())).collect();
+    (app, members)
+}
+
+fn bench(c: &mut Criterion) {
+    let (app, members) = fixture();
+    let rendered = render(&app, &members).unwrap();
+    assert_eq!(rendered.errors().count(), 0, "the fixture renders cleanly");
+    let mut group = c.benchmark_group("render_100_clusters_x_5_overrides");
+    group.throughput(Throughput::Elements(CLUSTERS as u64));
+    group.bench_function("floor_serialize_template_per_cluster", |b| {
+        b.iter(|| {
+            for _ in 0..CLUSTERS {
+                black_box(serde_json::to_vec(black_box(&app.spec.template)).unwrap());
+            }
+        })
+    });
+    group.bench_function("render", |b| {
+        b.iter(|| black_box(render(black_box(&app), &members).unwrap()))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,0 +1,290 @@
+//! Placement: which member clusters one FederatedMyApp goes to.
+//!
+//! KubeFed's rule: `clusters`, when present (even empty), wins over `clusterSelector`; an
+//! empty selector selects every registered cluster; with neither, nothing is placed. A
+//! named cluster that is not registered is reported, never silently dropped. The result
+//! is sorted and free of duplicates, so equal inputs give equal outputs.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use flotilla_crds::federated::Placement;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
+use kube::core::{Selector, SelectorExt};
+
+/// What placement needs to know of a registered member cluster.
+pub type Labels = BTreeMap<String, String>;
+
+/// Registered member clusters by name.
+pub type Members = BTreeMap<String, Labels>;
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Decision {
+    /// Registered clusters that get the MyApp, sorted.
+    pub clusters: Vec<String>,
+    /// Clusters named in `placement.clusters` that are not registered, sorted.
+    pub unknown: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct SelectorError {
+    /// The offending field, e.g. `spec.placement.clusterSelector.matchExpressions[0]`.
+    pub field: String,
+    pub reason: String,
+}
+
+pub fn place(placement: &Placement, members: &Members) -> Result<Decision, SelectorError> {
+    if let Some(named) = &placement.clusters {
+        let named: BTreeSet<&str> = named.iter().map(|c| c.name.as_str()).collect();
+        let (clusters, unknown) = named.into_iter().partition(|n| members.contains_key(*n));
+        return Ok(Decision {
+            clusters: owned(clusters),
+            unknown: owned(unknown),
+        });
+    }
+    let Some(selector) = &placement.cluster_selector else {
+        return Ok(Decision::default());
+    };
+    let selector = parse_selector(selector)?;
+    let clusters = members
+        .iter()
+        .filter(|(_, labels)| selector.matches(labels))
+        .map(|(name, _)| name.clone())
+        .collect();
+    Ok(Decision {
+        clusters,
+        unknown: vec![],
+    })
+}
+
+fn owned(names: Vec<&str>) -> Vec<String> {
+    names.into_iter().map(str::to_owned).collect()
+}
+
+/// Validates the selector as the apiserver does for Deployments (kube's own conversion
+/// accepts `In` with no values) and turns it into a matcher.
+fn parse_selector(selector: &LabelSelector) -> Result<Selector, SelectorError> {
+    const FIELD: &str = "spec.placement.clusterSelector";
+    for (i, req) in selector.match_expressions.iter().flatten().enumerate() {
+        check_requirement(req).map_err(|reason| SelectorError {
+            field: format!("{FIELD}.matchExpressions[{i}]"),
+            reason,
+        })?;
+    }
+    Selector::try_from(selector.clone()).map_err(|e| SelectorError {
+        field: FIELD.into(),
+        reason: e.0,
+    })
+}
+
+fn check_requirement(req: &LabelSelectorRequirement) -> Result<(), String> {
+    let values = req.values.as_deref().unwrap_or_default();
+    if req.key.is_empty() {
+        return Err("key must not be empty".into());
+    }
+    match req.operator.as_str() {
+        "In" | "NotIn" if values.is_empty() => Err(format!(
+            "operator {} needs at least one value",
+            req.operator
+        )),
+        "Exists" | "DoesNotExist" if !values.is_empty() => {
+            Err(format!("operator {} takes no values", req.operator))
+        }
+        "In" | "NotIn" | "Exists" | "DoesNotExist" => Ok(()),
+        other => Err(format!(
+            "unknown operator {other:?}; expected In, NotIn, Exists or DoesNotExist"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_crds::federated::ClusterRef;
+
+    fn members() -> Members {
+        let mut m = Members::new();
+        for (name, labels) in [
+            ("cluster1", vec![("region", "eu"), ("tier", "gold")]),
+            ("cluster2", vec![("region", "us")]),
+            ("cluster3", vec![("region", "eu")]),
+            ("bare", vec![]),
+        ] {
+            m.insert(
+                name.into(),
+                labels
+                    .into_iter()
+                    .map(|(k, v)| (k.into(), v.into()))
+                    .collect(),
+            );
+        }
+        m
+    }
+
+    fn named(names: &[&str]) -> Placement {
+        Placement {
+            clusters: Some(
+                names
+                    .iter()
+                    .map(|n| ClusterRef { name: (*n).into() })
+                    .collect(),
+            ),
+            cluster_selector: None,
+        }
+    }
+
+    fn selector(labels: &[(&str, &str)], exprs: &[(&str, &str, &[&str])]) -> Placement {
+        Placement {
+            clusters: None,
+            cluster_selector: Some(LabelSelector {
+                match_labels: (!labels.is_empty()).then(|| {
+                    labels
+                        .iter()
+                        .map(|(k, v)| ((*k).into(), (*v).into()))
+                        .collect()
+                }),
+                match_expressions: (!exprs.is_empty()).then(|| {
+                    exprs
+                        .iter()
+                        .map(|(k, op, vs)| LabelSelectorRequirement {
+                            key: (*k).into(),
+                            operator: (*op).into(),
+                            values: (!vs.is_empty())
+                                .then(|| vs.iter().map(|v| (*v).into()).collect()),
+                        })
+                        .collect()
+                }),
+            }),
+        }
+    }
+
+    fn clusters(p: &Placement) -> Vec<String> {
+        place(p, &members()).unwrap().clusters
+    }
+
+    #[test]
+    fn explicit_list_is_sorted_and_deduplicated() {
+        let d = place(&named(&["cluster2", "cluster1", "cluster2"]), &members()).unwrap();
+        assert_eq!(d.clusters, ["cluster1", "cluster2"]);
+        assert!(d.unknown.is_empty());
+    }
+
+    #[test]
+    fn unregistered_named_clusters_are_reported() {
+        let d = place(&named(&["cluster1", "ghost", "ghost", "alpha"]), &members()).unwrap();
+        assert_eq!(d.clusters, ["cluster1"]);
+        assert_eq!(d.unknown, ["alpha", "ghost"]);
+    }
+
+    #[test]
+    fn explicit_list_wins_over_selector() {
+        let mut p = selector(&[("region", "eu")], &[]);
+        p.clusters = Some(vec![ClusterRef {
+            name: "cluster2".into(),
+        }]);
+        assert_eq!(clusters(&p), ["cluster2"]);
+    }
+
+    #[test]
+    fn empty_explicit_list_places_nowhere_even_with_a_selector() {
+        let mut p = selector(&[], &[]);
+        p.clusters = Some(vec![]);
+        assert_eq!(place(&p, &members()).unwrap(), Decision::default());
+    }
+
+    #[test]
+    fn neither_list_nor_selector_places_nowhere() {
+        assert_eq!(
+            place(&Placement::default(), &members()).unwrap(),
+            Decision::default()
+        );
+    }
+
+    #[test]
+    fn empty_selector_selects_every_cluster() {
+        assert_eq!(
+            clusters(&selector(&[], &[])),
+            ["bare", "cluster1", "cluster2", "cluster3"]
+        );
+    }
+
+    #[test]
+    fn match_labels() {
+        assert_eq!(
+            clusters(&selector(&[("region", "eu")], &[])),
+            ["cluster1", "cluster3"]
+        );
+        assert_eq!(
+            clusters(&selector(&[("region", "eu"), ("tier", "gold")], &[])),
+            ["cluster1"]
+        );
+        assert!(clusters(&selector(&[("region", "mars")], &[])).is_empty());
+    }
+
+    #[test]
+    fn match_expressions_every_operator() {
+        assert_eq!(
+            clusters(&selector(&[], &[("region", "In", &["us", "eu"])])),
+            ["cluster1", "cluster2", "cluster3"]
+        );
+        // NotIn also matches clusters without the label, as in Kubernetes.
+        assert_eq!(
+            clusters(&selector(&[], &[("region", "NotIn", &["eu"])])),
+            ["bare", "cluster2"]
+        );
+        assert_eq!(
+            clusters(&selector(&[], &[("tier", "Exists", &[])])),
+            ["cluster1"]
+        );
+        assert_eq!(
+            clusters(&selector(&[], &[("tier", "DoesNotExist", &[])])),
+            ["bare", "cluster2", "cluster3"]
+        );
+    }
+
+    #[test]
+    fn labels_and_expressions_are_anded() {
+        let p = selector(&[("region", "eu")], &[("tier", "DoesNotExist", &[])]);
+        assert_eq!(clusters(&p), ["cluster3"]);
+    }
+
+    #[test]
+    fn selector_matches_no_registered_clusters_when_there_are_none() {
+        assert!(
+            place(&selector(&[], &[]), &Members::new())
+                .unwrap()
+                .clusters
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn invalid_requirements_name_the_field() {
+        let cases: [(&str, &str, &[&str], &str); 5] = [
+            ("region", "In", &[], "operator In needs at least one value"),
+            (
+                "region",
+                "NotIn",
+                &[],
+                "operator NotIn needs at least one value",
+            ),
+            (
+                "region",
+                "Exists",
+                &["eu"],
+                "operator Exists takes no values",
+            ),
+            ("region", "Equals", &["eu"], "unknown operator \"Equals\""),
+            ("", "Exists", &[], "key must not be empty"),
+        ];
+        for (key, op, values, want) in cases {
+            let p = selector(&[], &[("tier", "Exists", &[]), (key, op, values)]);
+            let err = place(&p, &members()).unwrap_err();
+            assert_eq!(
+                err.field,
+                "spec.placement.clusterSelector.matchExpressions[1]"
+            );
+            assert!(err.reason.contains(want), "{op}: {}", err.reason);
+        }
+    }
+}

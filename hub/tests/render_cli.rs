@@ -1,0 +1,152 @@
+//! `flotilla-hub render` and `flotilla-hub crds` as a user runs them.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+const SEED: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../shared/fixtures/seed/federatedmyapp.yaml"
+);
+
+fn hub(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_flotilla-hub"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("flotilla-hub starts");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.unwrap_or_default().as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn temp_file(name: &str, contents: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("flotilla-render-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+#[test]
+fn seed_renders_as_json_per_cluster() {
+    let out = hub(&["render", "-f", SEED, "-o", "json"], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["cluster1"]["spec"]["replicas"], 3);
+    assert_eq!(v["cluster2"]["spec"]["replicas"], 5);
+    assert_eq!(v.as_object().unwrap().len(), 2);
+}
+
+#[test]
+fn seed_renders_as_yaml_documents_from_stdin() {
+    let seed = std::fs::read_to_string(SEED).unwrap();
+    let out = hub(&["render", "-f", "-"], Some(&seed));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.starts_with("# cluster: cluster1\n---\n"), "{stdout}");
+    assert!(stdout.contains("# cluster: cluster2\n---\n"));
+    assert_eq!(stdout.matches("kind: MyApp").count(), 2);
+}
+
+#[test]
+fn cluster_list_feeds_the_selector() {
+    let app = temp_file(
+        "selector.yaml",
+        "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: web, namespace: shop}\n\
+         spec:\n  placement: {clusterSelector: {matchLabels: {region: eu}}}\n  template: {spec: {replicas: 2, image: 'nginx:1.27'}}\n",
+    );
+    let clusters = temp_file(
+        "clusters.yaml",
+        "apiVersion: core.kubefed.io/v1beta1\nkind: MemberCluster\nmetadata: {name: paris, labels: {region: eu}}\n---\n\
+         apiVersion: v1\nkind: List\nitems:\n- {kind: MemberCluster, metadata: {name: ohio, labels: {region: us}}}\n\
+         - {kind: MemberCluster, metadata: {name: berlin, labels: {region: eu}}}\n",
+    );
+    let out = hub(
+        &[
+            "render",
+            "-f",
+            app.to_str().unwrap(),
+            "--clusters",
+            clusters.to_str().unwrap(),
+            "-o",
+            "json",
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&String> = v.as_object().unwrap().keys().collect();
+    assert_eq!(names, ["berlin", "paris"]);
+    assert_eq!(v["paris"]["metadata"]["namespace"], "shop");
+}
+
+#[test]
+fn a_bad_override_fails_naming_object_cluster_field_and_path_but_prints_the_rest() {
+    let app = temp_file(
+        "bad.yaml",
+        "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: web, namespace: shop}\n\
+         spec:\n  placement: {clusters: [{name: a}, {name: b}]}\n  template: {spec: {replicas: 2}}\n  overrides:\n\
+         \x20 - clusterName: b\n    clusterOverrides:\n    - {path: /spec/replicas, value: 11}\n\
+         \x20 - clusterName: zz\n    clusterOverrides:\n    - {path: /spec/replicas, value: 1}\n",
+    );
+    let out = hub(&["render", "-f", app.to_str().unwrap(), "-o", "json"], None);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains(
+            "error: FederatedMyApp shop/web, cluster b: the rendered MyApp is invalid at /spec/replicas: \
+             11 is greater than the maximum of 10 (set by spec.overrides[0].clusterOverrides[0])"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("warning: FederatedMyApp shop/web: overrides for cluster zz are ignored"),
+        "{stderr}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        v["a"]["spec"]["replicas"], 2,
+        "the good cluster is still printed"
+    );
+    assert!(v.get("b").is_none());
+}
+
+#[test]
+fn unreadable_input_is_a_clear_error() {
+    let out = hub(&["render", "-f", "/nonexistent/app.yaml"], None);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("reading /nonexistent/app.yaml"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = hub(&["render", "-f", "-"], Some("kind: [unclosed"));
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("- is not a FederatedMyApp"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn crds_prints_the_checked_in_yaml() {
+    let out = hub(&["crds"], None);
+    assert!(out.status.success());
+    let checked_in = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crds/flotilla-crds.yaml"
+    ))
+    .unwrap();
+    assert_eq!(text(&out.stdout), checked_in);
+}
