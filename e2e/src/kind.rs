@@ -41,6 +41,7 @@ const KIND_CONFIG: &str = "kind: Cluster\n\
 async fn kind(args: &[&str]) -> Result<String> {
     let out = tokio::process::Command::new(kind_bin())
         .args(args)
+        .kill_on_drop(true)
         .stdin(Stdio::null())
         .stderr(Stdio::inherit())
         .output()

@@ -119,6 +119,8 @@ async fn kwokctl(bin: &Path, workdir: &Path, args: &[&str], log: &Path) -> Resul
         .args(args)
         .env("KWOK_WORKDIR", workdir)
         .env("PATH", path)
+        // If `up` is abandoned (Ctrl-C, SIGTERM in `test`), kwokctl must not go on starting things.
+        .kill_on_drop(true)
         .stdin(Stdio::null())
         .stdout(file.try_clone()?)
         .stderr(file)
