@@ -3,12 +3,13 @@
 //! local processes on 127.0.0.1, from binaries built once by `scripts/build-binaries.sh`.
 //!
 //! kwokctl's work dir is `<state dir>/kwok` (via `KWOK_WORKDIR`), so environments in
-//! different state dirs do not see each other; kwokctl picks free ports for every component.
+//! different state dirs do not see each other; every component gets a port the OS picked.
 //! Teardown does not need kwokctl: it stops the recorded PIDs and removes the work dir.
 
 use crate::env::{ClusterState, Env, workspace_root};
 use crate::process::{self, ProcessRecord};
 use anyhow::{Context, Result, bail};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -52,9 +53,27 @@ pub async fn binaries() -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// kwokctl's configuration: the runtime, our binaries (so nothing is downloaded), loopback.
-fn kwokctl_config(bin: &Path) -> String {
+/// The ports of one cluster's components, picked by the OS (`127.0.0.1:0`) rather than by
+/// kwokctl, which scans down from 32767 and so hands two environments created at the same
+/// time the same ports.
+fn free_ports() -> Result<[u16; 6]> {
+    // Hold all six listeners until all are picked, so the six differ.
+    let listeners: Vec<TcpListener> = (0..6)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<_>>()
+        .context("picking free ports")?;
+    let mut ports = [0; 6];
+    for (p, l) in ports.iter_mut().zip(&listeners) {
+        *p = l.local_addr()?.port();
+    }
+    Ok(ports)
+}
+
+/// kwokctl's configuration for one cluster: the runtime, our binaries (so nothing is
+/// downloaded), loopback, and ports.
+fn kwokctl_config(bin: &Path, ports: [u16; 6]) -> String {
     let b = bin.display();
+    let [apiserver, etcd, etcd_peer, kwok, kcm, scheduler] = ports;
     format!(
         "# Written by flotilla-e2e.\n\
          apiVersion: config.kwok.x-k8s.io/v1alpha1\n\
@@ -66,24 +85,54 @@ fn kwokctl_config(bin: &Path) -> String {
         \x20 kubectlBinary: {b}/kubectl\n\
         \x20 etcdBinary: {b}/etcd\n\
         \x20 kwokControllerBinary: {b}/kwok\n\
-        \x20 bindAddress: 127.0.0.1\n"
+        \x20 bindAddress: 127.0.0.1\n\
+        \x20 kubeApiserverPort: {apiserver}\n\
+        \x20 etcdPort: {etcd}\n\
+        \x20 etcdPeerPort: {etcd_peer}\n\
+        \x20 kwokControllerPort: {kwok}\n\
+        \x20 kubeControllerManagerPort: {kcm}\n\
+        \x20 kubeSchedulerPort: {scheduler}\n"
     )
+}
+
+/// One cluster created at a time on the whole machine: between picking its ports and its
+/// components binding them, no other environment picks.
+async fn creation_lock() -> Result<std::fs::File> {
+    let cache = match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+        Some(c) => PathBuf::from(c),
+        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"),
+    };
+    let dir = cache.join("flotilla");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join("kwokctl-create.lock");
+    let file = std::fs::File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)?;
+    tokio::task::spawn_blocking(move || file.lock().map(|()| file))
+        .await?
+        .with_context(|| format!("locking {}", path.display()))
 }
 
 pub async fn up(env: &mut Env) -> Result<()> {
     let bin = binaries().await?;
     let workdir = env.dir.join(KWOK_DIR);
     std::fs::create_dir_all(&workdir).with_context(|| format!("creating {}", workdir.display()))?;
-    // kwokctl reads `$KWOK_WORKDIR/kwok.yaml` by default, for every command.
-    std::fs::write(workdir.join("kwok.yaml"), kwokctl_config(&bin))?;
     let logs = env.dir.join("logs");
     std::fs::create_dir_all(&logs)?;
-    // One at a time: kwokctl avoids the ports of the clusters it already knows.
     for i in 0..env.clusters.len() {
         let c = &env.clusters[i];
         let log = logs.join(format!("kwokctl-{}.log", c.name));
         let kubeconfig = c.kubeconfig.to_string_lossy().into_owned();
+        // kwokctl keeps the configuration of a cluster it made; this one only counts the first time.
+        let config = workdir.join(format!("{}.kwokctl.yaml", c.name));
+        let lock = creation_lock().await?;
+        std::fs::write(&config, kwokctl_config(&bin, free_ports()?))?;
+        let config = config.to_string_lossy().into_owned();
         let args = [
+            "--config",
+            &config,
             "create",
             "cluster",
             "--name",
@@ -96,6 +145,7 @@ pub async fn up(env: &mut Env) -> Result<()> {
         kwokctl(&bin, &workdir, &args, &log)
             .await
             .with_context(|| format!("creating cluster {}", c.name))?;
+        drop(lock);
         let components = components(&workdir, &c.name)?;
         env.clusters[i].components = components;
         env.save()?;
