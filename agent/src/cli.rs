@@ -2,6 +2,7 @@
 //! (or the in-cluster config), for one cluster without a hub.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,6 +13,8 @@ use k8s_openapi::jiff::SignedDuration;
 use crate::http::{self, Readiness};
 use crate::metrics::Metrics;
 use crate::operator::{self, Namespaces, OperatorConfig};
+use crate::webhook::crd::Endpoint;
+use crate::webhook::{WebhookConfig, run_webhook};
 use crate::{shutdown, telemetry};
 
 #[derive(Parser, Debug)]
@@ -51,6 +54,42 @@ pub struct OperatorArgs {
     /// Names this instance in Events (the pod name in a cluster).
     #[arg(long, env = "POD_NAME")]
     pub instance: Option<String>,
+    #[command(flatten)]
+    pub webhook: WebhookArgs,
+}
+
+/// The conversion webhook. Without `--webhook-url` or `--webhook-service` it serves but
+/// leaves the CRD's conversion settings alone.
+#[derive(Args, Debug)]
+pub struct WebhookArgs {
+    /// Address of the HTTPS conversion webhook.
+    #[arg(long, default_value = "0.0.0.0:9443")]
+    pub webhook_addr: SocketAddr,
+    /// PEM certificate to serve (with --webhook-key); without it the agent generates a CA
+    /// and a certificate at every start.
+    #[arg(long, requires = "webhook_key")]
+    pub webhook_cert: Option<PathBuf>,
+    #[arg(long, requires = "webhook_cert")]
+    pub webhook_key: Option<PathBuf>,
+    /// Point the MyApp CRD at this https URL, e.g. https://127.0.0.1:9443/convert.
+    #[arg(long, value_parser = Endpoint::parse_url, conflicts_with = "webhook_service")]
+    pub webhook_url: Option<Endpoint>,
+    /// Point the MyApp CRD at this Service: NAMESPACE/NAME[:PORT] (port 443 by default).
+    #[arg(long, value_parser = Endpoint::parse_service)]
+    pub webhook_service: Option<Endpoint>,
+}
+
+impl WebhookArgs {
+    pub fn webhook_config(&self) -> WebhookConfig {
+        WebhookConfig {
+            addr: self.webhook_addr,
+            cert_files: self.webhook_cert.clone().zip(self.webhook_key.clone()),
+            endpoint: self
+                .webhook_url
+                .clone()
+                .or_else(|| self.webhook_service.clone()),
+        }
+    }
 }
 
 impl OperatorArgs {
@@ -89,29 +128,36 @@ async fn operator_command(args: OperatorArgs) -> anyhow::Result<()> {
         .context("connecting to Kubernetes")?;
     let metrics = Arc::new(Metrics::default());
     let readiness = Readiness::default();
-    let ready = readiness.gate("operator");
-    let server = http::serve(
-        args.http_addr,
-        http::router(metrics.clone(), readiness),
+    let operator_ready = readiness.gate("operator");
+    let webhook_ready = readiness.gate("webhook");
+    let router = http::router(metrics.clone(), readiness);
+    let server = http::serve(args.http_addr, router, shutdown.clone());
+    let webhook = run_webhook(
+        client.clone(),
+        args.webhook.webhook_config(),
+        webhook_ready,
         shutdown.clone(),
     );
-    let operator = operator::run_operator(
-        client,
-        args.operator_config(),
-        metrics,
-        ready,
-        shutdown.clone(),
-    );
-    let (served, ()) = tokio::join!(
+    let config = args.operator_config();
+    let operator =
+        operator::run_operator(client, config, metrics, operator_ready, shutdown.clone());
+    // A component that stops on its own takes the others down: the process restarts whole.
+    let (served, hooked, ()) = tokio::join!(
         async {
             let served = server.await;
-            // Without its endpoints the pod would be killed anyway: stop everything.
             shutdown.cancel();
             served
         },
+        async {
+            let hooked = webhook.await;
+            shutdown.cancel();
+            hooked
+        },
         operator
     );
-    served.with_context(|| format!("serving on {}", args.http_addr))
+    served.with_context(|| format!("serving on {}", args.http_addr))?;
+    hooked.context("conversion webhook")?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -142,6 +188,34 @@ mod tests {
         assert_eq!(
             parse(&["--resync", "1h30m"]).resync,
             Duration::from_secs(5400)
+        );
+    }
+
+    #[test]
+    fn webhook_endpoint_is_a_url_or_a_service() {
+        let url = parse(&["--webhook-url", "https://127.0.0.1:9443/convert"])
+            .webhook
+            .webhook_config();
+        assert_eq!(
+            url.endpoint,
+            Some(Endpoint::Url("https://127.0.0.1:9443/convert".into()))
+        );
+        let svc = parse(&["--webhook-service", "flotilla-system/flotilla-agent"])
+            .webhook
+            .webhook_config();
+        assert!(matches!(svc.endpoint, Some(Endpoint::Service { .. })));
+        assert_eq!(parse(&[]).webhook.webhook_config().endpoint, None);
+        let both = [
+            "--webhook-url",
+            "https://h/convert",
+            "--webhook-service",
+            "a/b",
+        ];
+        assert!(
+            Cli::try_parse_from([&["flotilla-agent", "operator"][..], &both].concat()).is_err()
+        );
+        assert!(
+            Cli::try_parse_from(["flotilla-agent", "operator", "--webhook-cert", "c.pem"]).is_err()
         );
     }
 

@@ -88,7 +88,7 @@ async fn metrics_text(State(state): State<AppState>) -> impl IntoResponse {
     (
         [(
             header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
         state.metrics.encode(),
     )

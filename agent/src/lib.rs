@@ -9,3 +9,4 @@ pub mod metrics;
 pub mod operator;
 pub mod shutdown;
 pub mod telemetry;
+pub mod webhook;
