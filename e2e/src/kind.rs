@@ -133,3 +133,23 @@ fn remove(p: &Path) -> Result<()> {
         _ => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kind_config_listens_on_loopback_at_a_random_port() {
+        let v: serde_yaml::Value = serde_yaml::from_str(KIND_CONFIG).unwrap();
+        assert_eq!(v["apiVersion"], "kind.x-k8s.io/v1alpha4");
+        assert_eq!(v["networking"]["apiServerAddress"], "127.0.0.1");
+        assert_eq!(v["networking"]["apiServerPort"], 0);
+    }
+
+    #[test]
+    fn fnv1a_is_the_reference_function() {
+        // Published FNV-1a 64 test vectors.
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+    }
+}

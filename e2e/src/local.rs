@@ -285,3 +285,31 @@ pub fn down(dir: &Path, state: Option<&Env>) -> Result<()> {
         Err(e) => Err(e).with_context(|| format!("removing {}", workdir.display())),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_points_kwokctl_at_our_binaries_on_loopback() {
+        let yaml = kwokctl_config(Path::new("/cache/bin"), [1, 2, 3, 4, 5, 6]);
+        let v: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
+        let o = &v["options"];
+        assert_eq!(v["kind"], "KwokctlConfiguration");
+        assert_eq!(o["runtime"], "binary");
+        assert_eq!(o["kubeBinaryPrefix"], "/cache/bin");
+        assert_eq!(o["etcdBinary"], "/cache/bin/etcd");
+        assert_eq!(o["kwokControllerBinary"], "/cache/bin/kwok");
+        assert_eq!(o["bindAddress"], "127.0.0.1");
+        assert_eq!(o["kubeApiserverPort"], 1);
+        assert_eq!(o["kubeSchedulerPort"], 6);
+    }
+
+    #[test]
+    fn free_ports_differ() {
+        let mut ports = free_ports().unwrap().to_vec();
+        ports.sort();
+        ports.dedup();
+        assert_eq!(ports.len(), 6);
+    }
+}

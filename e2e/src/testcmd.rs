@@ -5,18 +5,51 @@
 use crate::env::{DIR_VAR, Provider, workspace_root};
 use anyhow::{Result, anyhow};
 use std::path::Path;
-use std::process::ExitStatus;
+use std::process::Stdio;
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
+
+/// Test counts, summed over every `cargo test` run, from its `test result:` lines.
+#[derive(Default, Debug, PartialEq, Eq)]
+pub struct Tally {
+    pub passed: u64,
+    pub failed: u64,
+}
+
+impl Tally {
+    /// Adds the counts of a libtest summary line (`test result: ok. 4 passed; 0 failed; ...`).
+    pub fn add_line(&mut self, line: &str) {
+        let Some(rest) = line.trim().strip_prefix("test result: ") else {
+            return;
+        };
+        for part in rest.split([';', '.']) {
+            let mut words = part.split_whitespace();
+            if let (Some(n), Some(what)) = (words.next(), words.next()) {
+                match (n.parse::<u64>(), what) {
+                    (Ok(n), "passed") => self.passed += n,
+                    (Ok(n), "failed") => self.failed += n,
+                    _ => {}
+                }
+            }
+        }
+    }
+}
 
 /// Runs everything; returns whether all of it passed.
 pub async fn run(dir: &Path, members: usize, provider: Provider) -> Result<bool> {
-    let mut results: Vec<(&str, bool)> = Vec::new();
+    let mut steps: Vec<(&str, bool)> = Vec::new();
+    let mut tally = Tally::default();
     let mut interrupted = false;
 
-    let unit = cargo(&["test", "--workspace", "--exclude", "flotilla-e2e"], dir).await;
+    let unit = cargo(
+        &["test", "--workspace", "--exclude", "flotilla-e2e"],
+        dir,
+        &mut tally,
+    )
+    .await;
     interrupted |= unit.is_err();
-    results.push((
-        "unit tests (cargo test --workspace --exclude flotilla-e2e)",
+    steps.push((
+        "unit tests: cargo test --workspace --exclude flotilla-e2e",
         matches!(unit, Ok(true)),
     ));
 
@@ -33,23 +66,20 @@ pub async fn run(dir: &Path, members: usize, provider: Provider) -> Result<bool>
             brought_up = true;
             let up = tokio::select! {
                 r = crate::up(dir, members, provider) => r.map(|_| ()),
-                s = signalled() => Err(anyhow!("interrupted by {s}")),
+                s = signalled() => { interrupted = true; Err(anyhow!("interrupted by {s}")) }
             };
             if let Err(e) = &up {
                 eprintln!("flotilla-e2e test: bringing the environment up failed: {e:#}");
             }
-            interrupted |= up
-                .as_ref()
-                .is_err_and(|e| e.to_string().starts_with("interrupted"));
             env_ok = up.is_ok();
-            results.push(("environment up", env_ok));
+            steps.push(("environment up", env_ok));
         }
     }
     if !interrupted && env_ok {
-        let e2e = cargo(&["test", "-p", "flotilla-e2e"], dir).await;
+        let e2e = cargo(&["test", "-p", "flotilla-e2e"], dir, &mut tally).await;
         interrupted |= e2e.is_err();
-        results.push((
-            "e2e suite (cargo test -p flotilla-e2e)",
+        steps.push((
+            "e2e suite: cargo test -p flotilla-e2e",
             matches!(e2e, Ok(true)),
         ));
     }
@@ -58,36 +88,51 @@ pub async fn run(dir: &Path, members: usize, provider: Provider) -> Result<bool>
         if let Err(e) = &down {
             eprintln!("flotilla-e2e test: tearing the environment down failed: {e:#}");
         }
-        results.push(("environment down", down.is_ok()));
+        steps.push(("environment down", down.is_ok()));
     }
 
-    eprintln!("flotilla-e2e test: summary");
-    for (what, ok) in &results {
-        eprintln!("  {} {what}", if *ok { "ok    " } else { "FAILED" });
+    println!("flotilla-e2e test: summary");
+    for (what, ok) in &steps {
+        println!("  {} {what}", if *ok { "ok    " } else { "FAILED" });
     }
     if interrupted {
-        eprintln!("  FAILED interrupted");
+        println!("  FAILED interrupted");
     }
-    Ok(!interrupted && results.iter().all(|(_, ok)| *ok))
+    // The plain closing line: every test that ran, unit and e2e.
+    println!("tests: {} passed, {} failed", tally.passed, tally.failed);
+    Ok(!interrupted && steps.iter().all(|(_, ok)| *ok))
 }
 
-/// Runs cargo in the workspace root with `FLOTILLA_E2E_DIR` set. `Ok(passed)`, or `Err` if
-/// a signal interrupted it (the child is killed then).
-async fn cargo(args: &[&str], dir: &Path) -> Result<bool> {
+/// Runs cargo in the workspace root with `FLOTILLA_E2E_DIR` set, echoing its output and
+/// counting its tests. `Ok(passed)`, or `Err` if a signal interrupted it (the child is
+/// killed then).
+async fn cargo(args: &[&str], dir: &Path, tally: &mut Tally) -> Result<bool> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
     eprintln!("flotilla-e2e test: {cargo} {}", args.join(" "));
     let mut child = Command::new(&cargo)
         .args(args)
         .current_dir(workspace_root())
         .env(DIR_VAR, dir)
+        .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| anyhow!("starting {cargo}: {e}"))?;
-    let status: std::io::Result<ExitStatus> = tokio::select! {
-        s = child.wait() => s,
-        s = signalled() => return Err(anyhow!("interrupted by {s}")),
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| anyhow!("no stdout from {cargo}"))?;
+    let run = async {
+        let mut lines = BufReader::new(stdout).lines();
+        while let Some(line) = lines.next_line().await? {
+            println!("{line}");
+            tally.add_line(&line);
+        }
+        child.wait().await
     };
-    Ok(status.map(|s| s.success()).unwrap_or(false))
+    tokio::select! {
+        status = run => Ok(status.is_ok_and(|s| s.success())),
+        s = signalled() => Err(anyhow!("interrupted by {s}")),
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM (CI stops a run with the latter).
@@ -102,5 +147,28 @@ async fn signalled() -> &'static str {
     tokio::select! {
         _ = int.recv() => "SIGINT",
         _ = term.recv() => "SIGTERM",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tally_reads_libtest_summaries() {
+        let mut t = Tally::default();
+        t.add_line("test result: ok. 4 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.47s");
+        t.add_line(
+            "test result: FAILED. 5 passed; 2 failed; 1 ignored; 0 measured; 0 filtered out",
+        );
+        t.add_line("running 4 tests");
+        t.add_line("test foo ... ok");
+        assert_eq!(
+            t,
+            Tally {
+                passed: 9,
+                failed: 2
+            }
+        );
     }
 }
