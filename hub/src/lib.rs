@@ -2,6 +2,8 @@
 //! `overrides` (per-cluster changes), `render` (template + overrides + schema + hash).
 
 pub mod cli;
+pub mod dispatch;
+pub mod index;
 pub mod overrides;
 pub mod placement;
 pub mod render;
