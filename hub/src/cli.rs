@@ -20,12 +20,23 @@ use crate::render::{self, Rendered};
     about = "Flotilla hub: federates MyApps across member clusters"
 )]
 pub struct Cli {
+    /// Log one JSON object per line instead of human-readable text.
+    #[arg(long, global = true, env = "FLOTILLA_LOG_JSON")]
+    pub log_json: bool,
     #[command(subcommand)]
     pub command: Command,
 }
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Run the hub against the host cluster (kubeconfig or in-cluster config).
+    Run(crate::run::RunArgs),
+    /// Register a member cluster (or rotate its credential) and issue its agent's token.
+    Join(JoinArgs),
+    /// Revoke a member cluster's credential: its agent is disconnected and refused.
+    Revoke(RevokeArgs),
+    /// Write a CA and a serving certificate for the hub's gRPC endpoint.
+    Certs(CertsArgs),
     /// Preview, offline, exactly the MyApp each cluster would get.
     Render(RenderArgs),
     /// Print the CustomResourceDefinitions Flotilla installs.
@@ -165,4 +176,145 @@ pub fn parse_members(yaml: &str) -> anyhow::Result<Members> {
         }
     }
     Ok(members)
+}
+
+#[derive(clap::Args, Debug)]
+pub struct JoinArgs {
+    /// The member cluster's name (a DNS-1123 subdomain).
+    pub name: String,
+    /// Labels for placement selectors, `key=value` (repeatable).
+    #[arg(long = "label", short = 'l', value_parser = parse_label)]
+    pub labels: Vec<(String, String)>,
+    /// Write the agent's token here (mode 0600) instead of standard output.
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RevokeArgs {
+    pub name: String,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct CertsArgs {
+    /// Directory for ca.crt, tls.crt and tls.key.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Names and addresses agents dial the hub by (repeatable).
+    #[arg(long = "san", default_values = ["localhost", "127.0.0.1"])]
+    pub sans: Vec<String>,
+}
+
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: expected key=value"))?;
+    Ok((k.to_owned(), v.to_owned()))
+}
+
+const JOIN_MANAGER: &str = "flotilla-hub-join";
+
+/// Creates or updates the MemberCluster with a fresh token; only its hash is stored.
+pub async fn join(args: &JoinArgs) -> anyhow::Result<()> {
+    use base64::Engine;
+    use kube::api::{Api, Patch, PatchParams};
+    let mut secret = [0u8; 32];
+    rand::fill(&mut secret);
+    let token = format!(
+        "{}.{}",
+        args.name,
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(secret)
+    );
+    let labels: std::collections::BTreeMap<_, _> = args.labels.iter().cloned().collect();
+    let member = serde_json::json!({
+        "apiVersion": "core.kubefed.io/v1beta1",
+        "kind": "MemberCluster",
+        "metadata": {"name": args.name, "labels": labels},
+        "spec": {"tokenSha256": crate::server::token_sha256(&token)},
+    });
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the host cluster")?;
+    let api: Api<flotilla_crds::MemberCluster> = Api::all(client);
+    api.patch(
+        &args.name,
+        &PatchParams::apply(JOIN_MANAGER).force(),
+        &Patch::Apply(&member),
+    )
+    .await
+    .with_context(|| format!("registering MemberCluster {}", args.name))?;
+    match &args.token_file {
+        Some(path) => {
+            write_private(path, &token)?;
+            eprintln!(
+                "MemberCluster {} registered; its agent token is in {}",
+                args.name,
+                path.display()
+            );
+        }
+        None => println!("{token}"),
+    }
+    Ok(())
+}
+
+pub async fn revoke(args: &RevokeArgs) -> anyhow::Result<()> {
+    use kube::api::{Api, Patch, PatchParams};
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to the host cluster")?;
+    let api: Api<flotilla_crds::MemberCluster> = Api::all(client);
+    let patch = serde_json::json!({"spec": {"tokenSha256": null}});
+    api.patch(&args.name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .with_context(|| format!("revoking MemberCluster {}", args.name))?;
+    eprintln!(
+        "MemberCluster {}: credential revoked; `flotilla-hub join {}` issues a new one",
+        args.name, args.name
+    );
+    Ok(())
+}
+
+pub fn certs(args: &CertsArgs) -> anyhow::Result<()> {
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair,
+        KeyUsagePurpose,
+    };
+    let mut ca = CertificateParams::new(Vec::<String>::new())?;
+    ca.distinguished_name
+        .push(DnType::CommonName, "flotilla-hub CA");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    ca.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate()?)?;
+    let key = KeyPair::generate()?;
+    let mut leaf = CertificateParams::new(args.sans.clone())?;
+    leaf.distinguished_name
+        .push(DnType::CommonName, "flotilla-hub");
+    let leaf = leaf.signed_by(&key, &ca)?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    std::fs::write(args.out.join("ca.crt"), ca.pem())?;
+    std::fs::write(args.out.join("tls.crt"), leaf.pem())?;
+    write_private(&args.out.join("tls.key"), &key.serialize_pem())?;
+    eprintln!(
+        "wrote ca.crt, tls.crt and tls.key to {}",
+        args.out.display()
+    );
+    Ok(())
+}
+
+fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    f.write_all(contents.as_bytes())?;
+    Ok(())
 }

@@ -30,6 +30,8 @@ enum Slot {
 /// The pending messages of one agent session.
 pub struct ClusterQueue {
     pub cluster: String,
+    /// SHA-256 of the credential the session authenticated with, to notice revocation.
+    pub token_hash: String,
     id: u64,
     pending: Mutex<IndexMap<Slot, pb::HubMessage>>,
     notify: Notify,
@@ -163,9 +165,15 @@ impl Dispatcher {
 
     /// Registers a session after its Hello; any older session of the cluster is closed.
     /// The queue starts with what the agent lacks, then SyncComplete.
-    pub fn connect(&self, cluster: &str, managed: &HashMap<AppKey, String>) -> Arc<ClusterQueue> {
+    pub fn connect(
+        &self,
+        cluster: &str,
+        token_hash: &str,
+        managed: &HashMap<AppKey, String>,
+    ) -> Arc<ClusterQueue> {
         let queue = Arc::new(ClusterQueue {
             cluster: cluster.to_owned(),
+            token_hash: token_hash.to_owned(),
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             pending: Mutex::default(),
             notify: Notify::new(),
@@ -203,6 +211,11 @@ impl Dispatcher {
         if let Some(q) = lock(&self.state).sessions.get(cluster) {
             q.closed.cancel();
         }
+    }
+
+    /// The connected sessions.
+    pub fn sessions(&self) -> Vec<Arc<ClusterQueue>> {
+        lock(&self.state).sessions.values().cloned().collect()
     }
 
     /// Records an agent's report; false when the app is not this cluster's to report.
@@ -289,7 +302,7 @@ mod tests {
     #[tokio::test]
     async fn superseded_versions_collapse_in_place() {
         let d = Dispatcher::default();
-        let q = d.connect("c1", &HashMap::new());
+        let q = d.connect("c1", "", &HashMap::new());
         assert_eq!(drain(&q).await, ["sync 0"]);
         let key = AppKey::new("ns", "a");
         for h in ["h1", "h2", "h3"] {
@@ -314,7 +327,7 @@ mod tests {
             ]
             .into(),
         );
-        let q = d.connect("c1", &HashMap::new());
+        let q = d.connect("c1", "", &HashMap::new());
         assert_eq!(drain(&q).await, ["apply a h1", "sync 1"]);
         assert!(!d.is_connected("c2"));
     }
@@ -322,8 +335,8 @@ mod tests {
     #[tokio::test]
     async fn a_newer_session_closes_the_older_and_the_old_disconnect_is_ignored() {
         let d = Dispatcher::default();
-        let old = d.connect("c1", &HashMap::new());
-        let new = d.connect("c1", &HashMap::new());
+        let old = d.connect("c1", "", &HashMap::new());
+        let new = d.connect("c1", "", &HashMap::new());
         assert!(old.closed.is_cancelled());
         d.disconnect(&old);
         assert!(d.is_connected("c1"), "the newer session stays");
@@ -338,8 +351,8 @@ mod tests {
             &AppKey::new("ns", "a"),
             [("c1".to_owned(), apply("h"))].into(),
         );
-        d.connect("c1", &HashMap::new());
-        d.connect("c2", &HashMap::new());
+        d.connect("c1", "", &HashMap::new());
+        d.connect("c2", "", &HashMap::new());
         assert!(d.report("c1", &AppKey::new("ns", "a"), true));
         assert!(!d.report("c2", &AppKey::new("ns", "a"), true));
     }

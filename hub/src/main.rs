@@ -1,7 +1,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use flotilla_hub::cli::{Cli, Command, render_command};
+use flotilla_hub::cli::{self, Cli, Command};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -10,7 +10,7 @@ fn main() -> ExitCode {
             print!("{}", flotilla_crds::crds_yaml());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Render(args) => render_command(&args).map(|report| {
+        Command::Render(args) => cli::render_command(&args).map(|report| {
             print!("{}", report.stdout);
             report.stderr.iter().for_each(|line| eprintln!("{line}"));
             if report.failed {
@@ -19,6 +19,21 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }
         }),
+        Command::Certs(args) => cli::certs(&args).map(|()| ExitCode::SUCCESS),
+        command => {
+            flotilla_common::telemetry::init(cli.log_json);
+            let runtime = tokio::runtime::Runtime::new().expect("starting the tokio runtime");
+            runtime
+                .block_on(async move {
+                    match command {
+                        Command::Run(args) => flotilla_hub::run::run(args).await,
+                        Command::Join(args) => cli::join(&args).await,
+                        Command::Revoke(args) => cli::revoke(&args).await,
+                        _ => unreachable!("handled above"),
+                    }
+                })
+                .map(|()| ExitCode::SUCCESS)
+        }
     };
     result.unwrap_or_else(|e| {
         eprintln!("error: {e:#}");
