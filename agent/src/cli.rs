@@ -13,6 +13,7 @@ use k8s_openapi::jiff::SignedDuration;
 use crate::http::{self, Readiness};
 use crate::metrics::Metrics;
 use crate::operator::{self, Namespaces, OperatorConfig};
+use crate::session::{self, SessionConfig};
 use crate::webhook::crd::Endpoint;
 use crate::webhook::{WebhookConfig, run_webhook};
 use crate::{shutdown, telemetry};
@@ -25,7 +26,7 @@ use crate::{shutdown, telemetry};
 )]
 pub struct Cli {
     /// Log one JSON object per line instead of human-readable text.
-    #[arg(long, global = true, env = "FLOTILLA_LOG_JSON")]
+    #[arg(long, global = true)]
     pub log_json: bool,
     #[command(subcommand)]
     pub command: Command,
@@ -33,8 +34,52 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Join the hub: apply the MyApps it sends, report their status, and run the
+    /// operator and conversion webhook beside.
+    Run(RunArgs),
     /// Run the MyApp operator (and its conversion webhook) without a hub.
     Operator(OperatorArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The hub's gRPC endpoint, e.g. https://hub.example.com:7443.
+    #[arg(long, env = "FLOTILLA_HUB")]
+    pub hub: String,
+    /// This member cluster's name, as registered with `flotilla-hub join`.
+    #[arg(long, env = "FLOTILLA_CLUSTER")]
+    pub cluster: String,
+    /// File holding the token `flotilla-hub join` issued.
+    #[arg(long, env = "FLOTILLA_TOKEN_FILE")]
+    pub token_file: PathBuf,
+    /// PEM of the CA that signed the hub's certificate.
+    #[arg(long, env = "FLOTILLA_HUB_CA_FILE")]
+    pub hub_ca_file: PathBuf,
+    /// Verify the hub's certificate against this name instead of the URL's host.
+    #[arg(long)]
+    pub hub_server_name: Option<String>,
+    /// Interval of heartbeats to the hub.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub heartbeat: Duration,
+    #[command(flatten)]
+    pub operator: OperatorArgs,
+}
+
+impl RunArgs {
+    fn session_config(&self) -> anyhow::Result<SessionConfig> {
+        let read =
+            |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+        let token =
+            String::from_utf8(read(&self.token_file)?).context("the token file is not UTF-8")?;
+        Ok(SessionConfig {
+            hub: self.hub.clone(),
+            cluster: self.cluster.clone(),
+            token: token.trim().to_owned(),
+            ca_pem: read(&self.hub_ca_file)?,
+            server_name: self.hub_server_name.clone(),
+            heartbeat: self.heartbeat,
+        })
+    }
 }
 
 #[derive(Args, Debug)]
@@ -117,11 +162,17 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     telemetry::init(cli.log_json);
     match cli.command {
-        Command::Operator(args) => operator_command(args).await,
+        Command::Operator(args) => serve(args, None).await,
+        Command::Run(args) => {
+            let session = args.session_config()?;
+            serve(args.operator, Some(session)).await
+        }
     }
 }
 
-async fn operator_command(args: OperatorArgs) -> anyhow::Result<()> {
+/// Runs the operator, the webhook and the HTTP endpoints, and with a session config the
+/// hub session too, until SIGTERM.
+async fn serve(args: OperatorArgs, session: Option<SessionConfig>) -> anyhow::Result<()> {
     let shutdown = shutdown::on_signal().context("installing the SIGTERM handler")?;
     let client = kube::Client::try_default()
         .await
@@ -139,10 +190,23 @@ async fn operator_command(args: OperatorArgs) -> anyhow::Result<()> {
         shutdown.clone(),
     );
     let config = args.operator_config();
-    let operator =
-        operator::run_operator(client, config, metrics, operator_ready, shutdown.clone());
+    let hub = async {
+        let Some(session) = session else { return };
+        let (managed, watch) = session::watch_managed(client.clone());
+        tokio::select! {
+            _ = session::run(client.clone(), session, managed, shutdown.clone()) => {}
+            _ = watch => {}
+        }
+    };
+    let operator = operator::run_operator(
+        client.clone(),
+        config,
+        metrics,
+        operator_ready,
+        shutdown.clone(),
+    );
     // A component that stops on its own takes the others down: the process restarts whole.
-    let (served, hooked, ()) = tokio::join!(
+    let (served, hooked, (), ()) = tokio::join!(
         async {
             let served = server.await;
             shutdown.cancel();
@@ -153,7 +217,8 @@ async fn operator_command(args: OperatorArgs) -> anyhow::Result<()> {
             shutdown.cancel();
             hooked
         },
-        operator
+        operator,
+        hub
     );
     served.with_context(|| format!("serving on {}", args.http_addr))?;
     hooked.context("conversion webhook")?;
@@ -166,7 +231,9 @@ mod tests {
 
     fn parse(args: &[&str]) -> OperatorArgs {
         let cli = Cli::try_parse_from([&["flotilla-agent", "operator"], args].concat()).unwrap();
-        let Command::Operator(args) = cli.command;
+        let Command::Operator(args) = cli.command else {
+            panic!("parsed as the operator command")
+        };
         args
     }
 

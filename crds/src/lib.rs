@@ -8,6 +8,14 @@ pub use federated::{FederatedMyApp, FederatedMyAppSpec, FederatedMyAppStatus};
 pub use member::{MemberCluster, MemberClusterSpec, MemberClusterStatus};
 pub use myapp::{MyApp, MyAppSpec, MyAppStatus};
 
+/// Label on every MyApp Flotilla renders; agents manage only MyApps that carry it.
+pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
+pub const MANAGED_BY_VALUE: &str = "flotilla";
+/// Annotation naming the FederatedMyApp (`namespace/name`) a MyApp was rendered from.
+pub const SOURCE_ANNOTATION: &str = "flotilla.io/federated-myapp";
+/// Annotation carrying the content hash of a rendered MyApp (computed without it).
+pub const HASH_ANNOTATION: &str = "flotilla.io/content-hash";
+
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
 

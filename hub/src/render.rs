@@ -16,13 +16,7 @@ use sha2::{Digest, Sha256};
 use crate::overrides::{self, Located, OverrideError};
 use crate::placement::{self, Members, SelectorError};
 
-/// Label on every MyApp Flotilla renders; the agent manages only MyApps that carry it.
-pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
-pub const MANAGED_BY_VALUE: &str = "flotilla";
-/// Annotation naming the FederatedMyApp (`namespace/name`) a MyApp was rendered from.
-pub const SOURCE_ANNOTATION: &str = "flotilla.io/federated-myapp";
-/// Annotation carrying the content hash of the rendered MyApp (computed without it).
-pub const HASH_ANNOTATION: &str = "flotilla.io/content-hash";
+pub use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, SOURCE_ANNOTATION};
 
 /// What one cluster gets.
 #[derive(Debug, Clone, PartialEq, Eq)]
