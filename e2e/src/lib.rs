@@ -17,6 +17,7 @@
 
 pub mod cluster;
 pub mod env;
+pub mod federation;
 pub mod kind;
 pub mod local;
 pub mod process;
@@ -76,8 +77,10 @@ pub async fn up(dir: &Path, members: usize, provider: Provider) -> Result<Env> {
             .with_context(|| format!("preparing cluster {}", c.name))?;
     }
     env.save()?;
-    // Later: starting flotilla-hub and one flotilla-agent per member goes here, as one call
-    // that uses `env.spawn(...)`; `down` already stops whatever was spawned that way.
+    // Flotilla itself: the hub on the host, one agent per member (stopped by `down`).
+    federation::up(&env)
+        .await
+        .context("starting flotilla-hub and the agents")?;
     eprintln!(
         "flotilla-e2e: environment up in {:.1}s ({})",
         start.elapsed().as_secs_f64(),
