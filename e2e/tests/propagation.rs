@@ -23,7 +23,11 @@ struct Clusters {
 
 async fn clusters() -> Result<Clusters> {
     let env = Env::load_ready().await?;
-    Ok(Clusters { host: env.client("host").await?, c1: env.client("cluster1").await?, c2: env.client("cluster2").await? })
+    Ok(Clusters {
+        host: env.client("host").await?,
+        c1: env.client("cluster1").await?,
+        c2: env.client("cluster2").await?,
+    })
 }
 
 fn fedapps(c: &Client) -> Api<FederatedMyApp> {
@@ -36,7 +40,9 @@ fn myapps(c: &Client) -> Api<MyApp> {
 
 async fn apply(host: &Client, app: &Value) -> Result<()> {
     let name = app["metadata"]["name"].as_str().unwrap();
-    fedapps(host).patch(name, &PatchParams::apply("e2e").force(), &Patch::Apply(app)).await?;
+    fedapps(host)
+        .patch(name, &PatchParams::apply("e2e").force(), &Patch::Apply(app))
+        .await?;
     Ok(())
 }
 
@@ -50,18 +56,33 @@ fn app(name: &str, placement: Value, spec: Value, overrides: Value) -> Value {
 
 async fn replicas_on(c: &Client, name: &str, want: i32) -> Result<MyApp> {
     let api = myapps(c);
-    wait_for(TIMEOUT, &format!("MyApp {name} with {want} replicas"), || async {
-        Ok(api.get_opt(name).await?.filter(|a| a.spec.replicas == Some(want)))
-    })
+    wait_for(
+        TIMEOUT,
+        &format!("MyApp {name} with {want} replicas"),
+        || async {
+            Ok(api
+                .get_opt(name)
+                .await?
+                .filter(|a| a.spec.replicas == Some(want)))
+        },
+    )
     .await
 }
 
 async fn gone_from(c: &Client, name: &str) -> Result<()> {
     let api = myapps(c);
-    wait_for(TIMEOUT, &format!("MyApp {name} gone"), || async { Ok(api.get_opt(name).await?.is_none().then_some(())) }).await
+    wait_for(TIMEOUT, &format!("MyApp {name} gone"), || async {
+        Ok(api.get_opt(name).await?.is_none().then_some(()))
+    })
+    .await
 }
 
-async fn status_where(host: &Client, name: &str, what: &str, check: impl Fn(&Value) -> bool) -> Result<Value> {
+async fn status_where(
+    host: &Client,
+    name: &str,
+    what: &str,
+    check: impl Fn(&Value) -> bool,
+) -> Result<Value> {
     let api = fedapps(host);
     wait_for(TIMEOUT, what, || async {
         let app = api.get(name).await?;
@@ -72,13 +93,21 @@ async fn status_where(host: &Client, name: &str, what: &str, check: impl Fn(&Val
 }
 
 fn condition<'a>(status: &'a Value, type_: &str) -> Option<&'a Value> {
-    status["conditions"].as_array()?.iter().find(|c| c["type"] == type_)
+    status["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
 }
 
 async fn delete_and_wait(host: &Client, name: &str) -> Result<()> {
     let api = fedapps(host);
     let _ = api.delete(name, &DeleteParams::default()).await;
-    wait_for(TIMEOUT, &format!("FederatedMyApp {name} deleted"), || async { Ok(api.get_opt(name).await?.is_none().then_some(())) }).await
+    wait_for(
+        TIMEOUT,
+        &format!("FederatedMyApp {name} deleted"),
+        || async { Ok(api.get_opt(name).await?.is_none().then_some(())) },
+    )
+    .await
 }
 
 #[tokio::test]
@@ -88,24 +117,45 @@ async fn seed_example_propagates_updates_and_reports_ready() -> Result<()> {
     apply(&c.host, &seed).await?;
     replicas_on(&c.c1, "my-app-sample", 3).await?;
     replicas_on(&c.c2, "my-app-sample", 5).await?;
-    let status = status_where(&c.host, "my-app-sample", "both clusters in status", |s| s["clusters"].as_array().is_some_and(|a| a.len() == 2)).await?;
+    let status = status_where(&c.host, "my-app-sample", "both clusters in status", |s| {
+        s["clusters"].as_array().is_some_and(|a| a.len() == 2)
+    })
+    .await?;
     assert_eq!(status["clusters"][0]["name"], "cluster1");
     assert_eq!(status["clusters"][1]["name"], "cluster2");
     assert_eq!(condition(&status, "Propagated").unwrap()["status"], "True");
 
     // The seed names no image: give it one, and it becomes Ready everywhere.
     let patch = json!({"spec": {"template": {"spec": {"image": "nginx:1.27"}}}});
-    fedapps(&c.host).patch("my-app-sample", &PatchParams::default(), &Patch::Merge(&patch)).await?;
-    let status = status_where(&c.host, "my-app-sample", "Ready", |s| condition(s, "Ready").is_some_and(|c| c["status"] == "True")).await?;
+    fedapps(&c.host)
+        .patch(
+            "my-app-sample",
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await?;
+    let status = status_where(&c.host, "my-app-sample", "Ready", |s| {
+        condition(s, "Ready").is_some_and(|c| c["status"] == "True")
+    })
+    .await?;
     assert_eq!(status["readyClusters"], 2);
     assert_eq!(status["clusters"][0]["readyReplicas"], 3);
     assert_eq!(status["clusters"][1]["readyReplicas"], 5);
 
     // The template's replicas reach cluster1; cluster2 keeps its override.
     let patch = json!({"spec": {"template": {"spec": {"replicas": 4}}}});
-    fedapps(&c.host).patch("my-app-sample", &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    fedapps(&c.host)
+        .patch(
+            "my-app-sample",
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await?;
     let one = replicas_on(&c.c1, "my-app-sample", 4).await?;
-    assert_eq!(myapps(&c.c2).get("my-app-sample").await?.spec.replicas, Some(5));
+    assert_eq!(
+        myapps(&c.c2).get("my-app-sample").await?.spec.replicas,
+        Some(5)
+    );
 
     // Changing the override changes cluster2 only.
     let mut changed = seed.clone();
@@ -114,7 +164,10 @@ async fn seed_example_propagates_updates_and_reports_ready() -> Result<()> {
     apply(&c.host, &changed).await?;
     replicas_on(&c.c2, "my-app-sample", 6).await?;
     let after = myapps(&c.c1).get("my-app-sample").await?;
-    assert_eq!(after.metadata.generation, one.metadata.generation, "cluster1's MyApp was not touched");
+    assert_eq!(
+        after.metadata.generation, one.metadata.generation,
+        "cluster1's MyApp was not touched"
+    );
 
     delete_and_wait(&c.host, "my-app-sample").await?;
     // The finalizer held the FederatedMyApp until both members had deleted their copy.
@@ -128,15 +181,48 @@ async fn label_selector_places_and_removes() -> Result<()> {
     let c = clusters().await?;
     let members: Api<MemberCluster> = Api::all(c.host.clone());
     let label = |v: Value| json!({"metadata": {"labels": {"e2e-tier": v}}});
-    members.patch("cluster1", &PatchParams::default(), &Patch::Merge(&label(Value::Null))).await?;
-    apply(&c.host, &app("by-selector", json!({"clusterSelector": {"matchLabels": {"e2e-tier": "gold"}}}), json!({"replicas": 2, "image": "nginx:1.27"}), json!([]))).await?;
-    status_where(&c.host, "by-selector", "NoClusters", |s| condition(s, "Ready").is_some_and(|c| c["reason"] == "NoClusters")).await?;
+    members
+        .patch(
+            "cluster1",
+            &PatchParams::default(),
+            &Patch::Merge(&label(Value::Null)),
+        )
+        .await?;
+    apply(
+        &c.host,
+        &app(
+            "by-selector",
+            json!({"clusterSelector": {"matchLabels": {"e2e-tier": "gold"}}}),
+            json!({"replicas": 2, "image": "nginx:1.27"}),
+            json!([]),
+        ),
+    )
+    .await?;
+    status_where(&c.host, "by-selector", "NoClusters", |s| {
+        condition(s, "Ready").is_some_and(|c| c["reason"] == "NoClusters")
+    })
+    .await?;
 
-    members.patch("cluster1", &PatchParams::default(), &Patch::Merge(&label(json!("gold")))).await?;
+    members
+        .patch(
+            "cluster1",
+            &PatchParams::default(),
+            &Patch::Merge(&label(json!("gold"))),
+        )
+        .await?;
     replicas_on(&c.c1, "by-selector", 2).await?;
-    assert!(myapps(&c.c2).get_opt("by-selector").await?.is_none(), "cluster2 is not labelled");
+    assert!(
+        myapps(&c.c2).get_opt("by-selector").await?.is_none(),
+        "cluster2 is not labelled"
+    );
 
-    members.patch("cluster1", &PatchParams::default(), &Patch::Merge(&label(Value::Null))).await?;
+    members
+        .patch(
+            "cluster1",
+            &PatchParams::default(),
+            &Patch::Merge(&label(Value::Null)),
+        )
+        .await?;
     gone_from(&c.c1, "by-selector").await?;
     delete_and_wait(&c.host, "by-selector").await
 }
@@ -146,24 +232,47 @@ async fn deletion_with_and_without_orphan() -> Result<()> {
     let c = clusters().await?;
     let both = json!({"clusters": [{"name": "cluster1"}, {"name": "cluster2"}]});
     for name in ["del-plain", "del-orphan"] {
-        apply(&c.host, &app(name, both.clone(), json!({"replicas": 1, "image": "nginx:1.27"}), json!([]))).await?;
+        apply(
+            &c.host,
+            &app(
+                name,
+                both.clone(),
+                json!({"replicas": 1, "image": "nginx:1.27"}),
+                json!([]),
+            ),
+        )
+        .await?;
         replicas_on(&c.c1, name, 1).await?;
         replicas_on(&c.c2, name, 1).await?;
     }
     let orphan = json!({"metadata": {"annotations": {"kubefed.io/orphan": "true"}}});
-    fedapps(&c.host).patch("del-orphan", &PatchParams::default(), &Patch::Merge(&orphan)).await?;
+    fedapps(&c.host)
+        .patch(
+            "del-orphan",
+            &PatchParams::default(),
+            &Patch::Merge(&orphan),
+        )
+        .await?;
 
     delete_and_wait(&c.host, "del-plain").await?;
     for member in [&c.c1, &c.c2] {
-        assert!(myapps(member).get_opt("del-plain").await?.is_none(), "deleted before the finalizer went");
+        assert!(
+            myapps(member).get_opt("del-plain").await?.is_none(),
+            "deleted before the finalizer went"
+        );
     }
 
     delete_and_wait(&c.host, "del-orphan").await?;
     for member in [&c.c1, &c.c2] {
         let kept = myapps(member).get("del-orphan").await?;
-        assert!(!kept.labels().contains_key("app.kubernetes.io/managed-by"), "released, no longer managed");
+        assert!(
+            !kept.labels().contains_key("app.kubernetes.io/managed-by"),
+            "released, no longer managed"
+        );
         assert_eq!(kept.spec.replicas, Some(1));
-        myapps(member).delete("del-orphan", &DeleteParams::default()).await?;
+        myapps(member)
+            .delete("del-orphan", &DeleteParams::default())
+            .await?;
     }
     Ok(())
 }
@@ -173,23 +282,52 @@ async fn an_invalid_override_is_reported_for_its_cluster_only() -> Result<()> {
     let c = clusters().await?;
     let both = json!({"clusters": [{"name": "cluster1"}, {"name": "cluster2"}]});
     let overrides = json!([{"clusterName": "cluster2", "clusterOverrides": [{"path": "/spec/replicas", "value": 11}]}]);
-    apply(&c.host, &app("bad-override", both, json!({"replicas": 2, "image": "nginx:1.27"}), overrides)).await?;
+    apply(
+        &c.host,
+        &app(
+            "bad-override",
+            both,
+            json!({"replicas": 2, "image": "nginx:1.27"}),
+            overrides,
+        ),
+    )
+    .await?;
     replicas_on(&c.c1, "bad-override", 2).await?;
     let status = status_where(&c.host, "bad-override", "cluster2 reported", |s| {
-        s["clusters"].as_array().is_some_and(|a| a.iter().any(|c| c["name"] == "cluster2" && !c["message"].as_str().unwrap_or("").is_empty()))
+        s["clusters"].as_array().is_some_and(|a| {
+            a.iter()
+                .any(|c| c["name"] == "cluster2" && !c["message"].as_str().unwrap_or("").is_empty())
+        })
     })
     .await?;
     let message = status["clusters"][1]["message"].as_str().unwrap();
-    assert!(message.contains("/spec/replicas") && message.contains("spec.overrides[0].clusterOverrides[0]"), "{message}");
-    assert_eq!(condition(&status, "Propagated").unwrap()["reason"], "RenderFailed");
+    assert!(
+        message.contains("/spec/replicas")
+            && message.contains("spec.overrides[0].clusterOverrides[0]"),
+        "{message}"
+    );
+    assert_eq!(
+        condition(&status, "Propagated").unwrap()["reason"],
+        "RenderFailed"
+    );
     assert!(myapps(&c.c2).get_opt("bad-override").await?.is_none());
 
     let events: Api<Event> = Api::namespaced(c.host.clone(), "default");
     let event = wait_for(TIMEOUT, "a RenderFailed Event", || async {
-        let list = events.list(&ListParams::default().fields("involvedObject.name=bad-override")).await?;
-        Ok(list.items.into_iter().find(|e| e.reason.as_deref() == Some("RenderFailed")))
+        let list = events
+            .list(&ListParams::default().fields("involvedObject.name=bad-override"))
+            .await?;
+        Ok(list
+            .items
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("RenderFailed")))
     })
     .await?;
-    assert!(event.message.unwrap_or_default().starts_with("cluster cluster2: "));
+    assert!(
+        event
+            .message
+            .unwrap_or_default()
+            .starts_with("cluster cluster2: ")
+    );
     delete_and_wait(&c.host, "bad-override").await
 }
