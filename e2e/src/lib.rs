@@ -16,6 +16,7 @@
 //! - [`testcmd`]: `flotilla-e2e test`, the one test command.
 
 pub mod cluster;
+pub mod demo;
 pub mod env;
 pub mod federation;
 pub mod kind;

@@ -35,6 +35,8 @@ enum Cmd {
     Status,
     /// Print the path of cluster NAME's kubeconfig (host, cluster1, ...)
     Kubeconfig { name: String },
+    /// Bring the environment up (if it is not) and apply the seed's FederatedMyApp on the host
+    Demo,
     /// Unit tests + the e2e suite; brings the environment up (and down again) if it is not running
     Test {
         #[arg(long, default_value_t = 2)]
@@ -76,6 +78,10 @@ async fn run(cmd: Cmd, dir: PathBuf) -> Result<bool> {
             let env = Env::load_from(&dir)?;
             println!("{}", env.kubeconfig(&name)?.display());
             Ok(true)
+        }
+        Cmd::Demo => {
+            let env = flotilla_e2e::up(&dir, 2, Provider::Local).await?;
+            flotilla_e2e::demo::demo(&env).await.map(|()| true)
         }
         Cmd::Test { members, provider } => {
             flotilla_e2e::testcmd::run(&dir, members, provider).await
