@@ -4,8 +4,11 @@
 
 use crate::env::{DIR_VAR, Provider, workspace_root};
 use anyhow::{Result, anyhow};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
 use std::path::Path;
 use std::process::Stdio;
+use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
@@ -103,9 +106,18 @@ pub async fn run(dir: &Path, members: usize, provider: Provider) -> Result<bool>
     Ok(!interrupted && steps.iter().all(|(_, ok)| *ok))
 }
 
+/// How long one `cargo test` may run (`FLOTILLA_TEST_TIMEOUT_SECS`, default 45 minutes):
+/// a hung test must not keep the environment from being torn down before CI gives up.
+fn time_limit() -> Duration {
+    let secs = std::env::var("FLOTILLA_TEST_TIMEOUT_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok());
+    Duration::from_secs(secs.unwrap_or(45 * 60))
+}
+
 /// Runs cargo in the workspace root with `FLOTILLA_E2E_DIR` set, echoing its output and
-/// counting its tests. `Ok(passed)`, or `Err` if a signal interrupted it (the child is
-/// killed then).
+/// counting its tests. `Ok(passed)`; `Err` if a signal interrupted it. On a signal or the
+/// time limit, its whole process group (cargo and the test binaries it runs) is stopped.
 async fn cargo(args: &[&str], dir: &Path, tally: &mut Tally) -> Result<bool> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
     eprintln!("flotilla-e2e test: {cargo} {}", args.join(" "));
@@ -114,9 +126,12 @@ async fn cargo(args: &[&str], dir: &Path, tally: &mut Tally) -> Result<bool> {
         .current_dir(workspace_root())
         .env(DIR_VAR, dir)
         .stdout(Stdio::piped())
+        // Its own group, so that the test binaries (cargo's children) can be stopped with it.
+        .process_group(0)
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| anyhow!("starting {cargo}: {e}"))?;
+    let group = child.id();
     let stdout = child
         .stdout
         .take()
@@ -129,10 +144,40 @@ async fn cargo(args: &[&str], dir: &Path, tally: &mut Tally) -> Result<bool> {
         }
         child.wait().await
     };
+    let limit = time_limit();
     tokio::select! {
-        status = run => Ok(status.is_ok_and(|s| s.success())),
-        s = signalled() => Err(anyhow!("interrupted by {s}")),
+        status = tokio::time::timeout(limit, run) => match status {
+            Ok(status) => Ok(status.is_ok_and(|s| s.success())),
+            Err(_) => {
+                eprintln!("flotilla-e2e test: `cargo {}` ran over {limit:?}; stopping it", args.join(" "));
+                stop_group(group).await;
+                Ok(false)
+            }
+        },
+        s = signalled() => {
+            stop_group(group).await;
+            Err(anyhow!("interrupted by {s}"))
+        }
     }
+}
+
+/// SIGTERM to a process group, SIGKILL five seconds later if it still has members.
+async fn stop_group(group: Option<u32>) {
+    let Some(pgid) = group.and_then(|g| i32::try_from(g).ok()) else {
+        return;
+    };
+    let pgid = Pid::from_raw(pgid);
+    if killpg(pgid, Signal::SIGTERM).is_err() {
+        return;
+    }
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Signal 0 only asks whether the group still has a member.
+        if killpg(pgid, None).is_err() {
+            return;
+        }
+    }
+    let _ = killpg(pgid, Signal::SIGKILL);
 }
 
 /// Resolves on SIGINT or SIGTERM (CI stops a run with the latter).

@@ -1,0 +1,619 @@
+//! The MyApp operator on a real member cluster: readiness, config rollouts, schema,
+//! version conversion through the webhook, drift repair and garbage collection.
+//!
+//! Each test owns a namespace and starts its own `flotilla-agent operator` restricted to
+//! it (through `Env::spawn`, so `flotilla-e2e down` stops any left behind), against the
+//! first member cluster. Needs a running environment (`cargo run -p flotilla-e2e -- up`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail};
+use flotilla_crds::{MyApp, MyAppStatus};
+use flotilla_e2e::{Env, ProcessRecord, wait_for};
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch,
+    PatchParams, PostParams,
+};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const TIMEOUT: Duration = Duration::from_secs(90);
+const CHECKSUM: &str = "checksum/config";
+const CRD: &str = "myapps.app.example.com";
+
+/// The `flotilla-agent` binary, built once per test run so the tests never run a stale one.
+fn agent_binary() -> &'static str {
+    static BIN: OnceLock<String> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let out = Command::new(cargo)
+            .args(["build", "-p", "flotilla-agent", "--bin", "flotilla-agent"])
+            .args(["--message-format", "json-render-diagnostics"])
+            .current_dir(flotilla_e2e::env::workspace_root())
+            .output()
+            .expect("running cargo build");
+        assert!(out.status.success(), "building flotilla-agent failed");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|m| m["target"]["name"] == "flotilla-agent")
+            .find_map(|m| m["executable"].as_str().map(str::to_string))
+            .expect("cargo names the flotilla-agent executable")
+    })
+}
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// A test's world: a fresh namespace on a member cluster with an operator watching it.
+struct Fixture {
+    env: Env,
+    member: String,
+    client: Client,
+    namespace: String,
+    operator: ProcessRecord,
+}
+
+impl Fixture {
+    async fn start(test: &str) -> Fixture {
+        Self::start_with(test, false).await
+    }
+
+    /// With `publish`, the operator points the MyApp CRD at its own webhook.
+    async fn start_with(test: &str, publish: bool) -> Fixture {
+        let env = Env::load_ready()
+            .await
+            .unwrap_or_else(|e| panic!("the e2e environment is not up: {e:#}"));
+        let member = env.members().first().expect("a member cluster").to_string();
+        let client = env.client(&member).await.unwrap();
+        let millis = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis();
+        let namespace = format!("op-{test}-{}", millis % 1_000_000_000);
+        let ns = Namespace {
+            metadata: kube::api::ObjectMeta {
+                name: Some(namespace.clone()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap();
+
+        let (http_port, webhook_port) = (free_port(), free_port());
+        let mut cmd = Command::new(agent_binary());
+        cmd.env("KUBECONFIG", env.kubeconfig(&member).unwrap())
+            .args(["operator", "--namespace", &namespace, "--resync", "5m"])
+            .args(["--http-addr", &format!("127.0.0.1:{http_port}")])
+            .args(["--webhook-addr", &format!("127.0.0.1:{webhook_port}")]);
+        if publish {
+            cmd.args([
+                "--webhook-url",
+                &format!("https://127.0.0.1:{webhook_port}/convert"),
+            ]);
+        }
+        let operator = env
+            .spawn(&format!("operator-{namespace}"), &mut cmd)
+            .unwrap();
+        let fixture = Fixture {
+            env,
+            member,
+            client,
+            namespace,
+            operator,
+        };
+        wait_for(TIMEOUT, "the operator to be ready", || async {
+            if !fixture.operator.alive() {
+                bail!("the operator exited");
+            }
+            Ok((http_get(http_port, "/readyz")
+                .await?
+                .starts_with("HTTP/1.0 200"))
+            .then_some(()))
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}; log: {:?}", fixture.operator.log));
+        fixture
+    }
+
+    fn api<K>(&self) -> Api<K>
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+    {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
+    /// A MyApp of any version, as raw JSON.
+    fn dynamic(&self, version: &str) -> Api<DynamicObject> {
+        let gvk = GroupVersionKind::gvk("app.example.com", version, "MyApp");
+        let resource = ApiResource::from_gvk_with_plural(&gvk, "myapps");
+        Api::namespaced_with(self.client.clone(), &self.namespace, &resource)
+    }
+
+    async fn create(&self, name: &str, spec: Value) -> MyApp {
+        let app: MyApp = serde_json::from_value(json!({
+            "apiVersion": "app.example.com/v1", "kind": "MyApp",
+            "metadata": {"name": name}, "spec": spec
+        }))
+        .unwrap();
+        self.api::<MyApp>()
+            .create(&PostParams::default(), &app)
+            .await
+            .unwrap()
+    }
+
+    /// Waits until the MyApp is ready at its current generation with `replicas` ready.
+    async fn ready(&self, name: &str, replicas: i32) -> MyApp {
+        self.try_ready(name, replicas)
+            .await
+            .unwrap_or_else(|e| panic!("{e:#}"))
+    }
+
+    async fn try_ready(&self, name: &str, replicas: i32) -> Result<MyApp> {
+        let api = self.api::<MyApp>();
+        wait_for(TIMEOUT, &format!("MyApp {name} to be ready"), || async {
+            let app = api.get(name).await?;
+            let status = app.status.clone().unwrap_or_default();
+            let current = status.observed_generation == app.metadata.generation;
+            Ok((current && status.ready && status.ready_replicas == replicas).then_some(app))
+        })
+        .await
+        .with_context(|| format!("operator log: {:?}", self.operator.log))
+    }
+
+    async fn deployment(&self, name: &str) -> Deployment {
+        self.api::<Deployment>()
+            .get(&format!("{name}-deploy"))
+            .await
+            .unwrap()
+    }
+
+    /// Names of the ReplicaSets of the app's Deployment.
+    async fn replica_sets(&self) -> BTreeSet<String> {
+        let list = self
+            .api::<ReplicaSet>()
+            .list(&ListParams::default())
+            .await
+            .unwrap();
+        list.items.iter().map(|rs| rs.name_any()).collect()
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        if let Err(e) = self.operator.stop(Duration::from_secs(5)) {
+            eprintln!("stopping {}: {e:#}", self.operator.name);
+        }
+        // The namespace goes with everything in it; nobody waits for that. A fresh client
+        // on a fresh runtime: the test's runtime is blocked in this very drop.
+        let (env, member, namespace) = (
+            self.env.clone(),
+            self.member.clone(),
+            self.namespace.clone(),
+        );
+        let deleted = std::thread::spawn(move || -> Result<()> {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(async {
+                let api: Api<Namespace> = Api::all(env.client(&member).await?);
+                api.delete(&namespace, &DeleteParams::default()).await?;
+                Ok(())
+            })
+        })
+        .join();
+        if let Ok(Err(e)) = deleted {
+            eprintln!("deleting namespace {}: {e:#}", self.namespace);
+        }
+    }
+}
+
+/// A bare HTTP/1.0 GET on 127.0.0.1: the whole response as text.
+async fn http_get(port: u16, path: &str) -> Result<String> {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    Ok(response)
+}
+
+fn checksum(d: &Deployment) -> String {
+    let template = &d.spec.as_ref().unwrap().template;
+    template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .annotations
+        .as_ref()
+        .unwrap()[CHECKSUM]
+        .clone()
+}
+
+fn condition<'a>(status: &'a MyAppStatus, type_: &str) -> (&'a str, &'a str) {
+    let c = status.conditions.iter().find(|c| c.type_ == type_).unwrap();
+    (&c.status, &c.reason)
+}
+
+#[tokio::test]
+async fn myapp_becomes_ready_with_all_replicas() {
+    let f = Fixture::start("ready").await;
+    f.create(
+        "web",
+        json!({"replicas": 3, "image": "nginx:1.27", "config": {"app.conf": "level=info"}}),
+    )
+    .await;
+    let app = f.ready("web", 3).await;
+    let status = app.status.unwrap();
+    assert_eq!(condition(&status, "Available").0, "True");
+    assert_eq!(condition(&status, "Degraded"), ("False", "AsExpected"));
+
+    let d = f.deployment("web").await;
+    let ds = d.status.clone().unwrap();
+    assert_eq!(
+        (ds.ready_replicas, ds.available_replicas),
+        (Some(3), Some(3))
+    );
+    let owner = &d.metadata.owner_references.clone().unwrap()[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.uid.as_str()),
+        ("MyApp", app.metadata.uid.as_deref().unwrap())
+    );
+    let ru = d
+        .spec
+        .clone()
+        .unwrap()
+        .strategy
+        .unwrap()
+        .rolling_update
+        .unwrap();
+    assert_eq!(
+        serde_json::to_value(&ru).unwrap(),
+        json!({"maxUnavailable": 1, "maxSurge": "25%"})
+    );
+    let cm = f.api::<ConfigMap>().get("web-config").await.unwrap();
+    assert_eq!(cm.data.unwrap()["app.conf"], "level=info");
+    let managers: Vec<String> = d
+        .metadata
+        .managed_fields
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|m| m.manager)
+        .collect();
+    assert!(
+        managers.iter().any(|m| m == "flotilla-operator"),
+        "{managers:?}"
+    );
+}
+
+#[tokio::test]
+async fn config_change_rolls_and_no_change_rolls_nothing() {
+    let f = Fixture::start("rollout").await;
+    let spec = json!({"replicas": 2, "image": "nginx:1.27", "config": {"app.conf": "v1"}});
+    f.create("web", spec.clone()).await;
+    f.ready("web", 2).await;
+    let before = f.deployment("web").await;
+    let replica_sets = f.replica_sets().await;
+    assert_eq!(replica_sets.len(), 1);
+
+    // The same spec again, and a metadata-only change: no new generation, no new pods.
+    let api = f.api::<MyApp>();
+    let same = json!({"apiVersion": "app.example.com/v1", "kind": "MyApp", "spec": spec});
+    api.patch(
+        "web",
+        &PatchParams::apply("e2e-test").force(),
+        &Patch::Apply(&same),
+    )
+    .await
+    .unwrap();
+    api.patch(
+        "web",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"labels": {"touched": "yes"}}})),
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = f.deployment("web").await;
+    assert_eq!(
+        after.metadata.generation, before.metadata.generation,
+        "nothing changed, nothing rolls"
+    );
+    assert_eq!(checksum(&after), checksum(&before));
+    assert_eq!(f.replica_sets().await, replica_sets);
+
+    api.patch(
+        "web",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"config": {"app.conf": "v2"}}})),
+    )
+    .await
+    .unwrap();
+    f.ready("web", 2).await;
+    let rolled = f.deployment("web").await;
+    assert_ne!(
+        checksum(&rolled),
+        checksum(&before),
+        "a config change changes the checksum"
+    );
+    let cm = f.api::<ConfigMap>().get("web-config").await.unwrap();
+    assert_eq!(cm.data.unwrap()["app.conf"], "v2");
+    let now = f.replica_sets().await;
+    assert_eq!(now.len(), 2, "a new ReplicaSet beside the old one: {now:?}");
+    let old = f
+        .api::<ReplicaSet>()
+        .get(replica_sets.first().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        old.spec.unwrap().replicas,
+        Some(0),
+        "the old ReplicaSet is scaled down"
+    );
+}
+
+#[tokio::test]
+async fn apiserver_rejects_invalid_myapps() {
+    let f = Fixture::start("schema").await;
+    let post = |name: &'static str, version: &'static str, spec: Value| {
+        let api = f.dynamic(version);
+        async move {
+            let object: DynamicObject = serde_json::from_value(json!({
+                "apiVersion": format!("app.example.com/{version}"), "kind": "MyApp",
+                "metadata": {"name": name}, "spec": spec
+            }))
+            .unwrap();
+            api.create(&PostParams::default(), &object).await
+        }
+    };
+    for (name, version, spec) in [
+        (
+            "eleven",
+            "v1",
+            json!({"replicas": 11, "image": "nginx:1.27"}),
+        ),
+        ("zero", "v1", json!({"replicas": 0, "image": "nginx:1.27"})),
+        ("untagged", "v1", json!({"replicas": 1, "image": "nginx"})),
+        (
+            "alpha-eleven",
+            "v1alpha1",
+            json!({"size": 11, "image": "nginx:1.27"}),
+        ),
+    ] {
+        match post(name, version, spec).await {
+            Err(kube::Error::Api(s)) => assert_eq!(s.code, 422, "{name}: {}", s.message),
+            other => panic!("{name} was not rejected: {other:?}"),
+        }
+    }
+    post("ten", "v1", json!({"replicas": 10, "image": "nginx:1.27"}))
+        .await
+        .unwrap();
+}
+
+/// The CRD's `spec.conversion` as a merge patch that puts it back exactly: `url` and
+/// `service` exclude each other, so the absent one is nulled.
+async fn conversion_patch(crds: &Api<CustomResourceDefinition>) -> Value {
+    let crd = crds.get(CRD).await.unwrap();
+    let mut conversion = serde_json::to_value(crd.spec.conversion).unwrap();
+    if conversion.is_null() {
+        conversion = json!({"strategy": "None"});
+    }
+    conversion
+        .as_object_mut()
+        .unwrap()
+        .entry("webhook")
+        .or_insert(Value::Null);
+    if let Some(config) = conversion
+        .pointer_mut("/webhook/clientConfig")
+        .and_then(Value::as_object_mut)
+    {
+        for key in ["url", "service", "caBundle"] {
+            config.entry(key).or_insert(Value::Null);
+        }
+    }
+    json!({"spec": {"conversion": conversion}})
+}
+
+#[tokio::test]
+async fn versions_convert_through_the_webhook() {
+    // This test's operator points the CRD at its own webhook (as a local agent does with
+    // --webhook-url), and the CRD's previous conversion settings are put back afterwards.
+    let env = Env::load_ready().await.unwrap();
+    let crds = Api::<CustomResourceDefinition>::all(env.client(env.members()[0]).await.unwrap());
+    let previous = conversion_patch(&crds).await;
+    let f = Fixture::start_with("convert", true).await;
+    let result = convert_both_ways(&f).await;
+    crds.patch(CRD, &PatchParams::default(), &Patch::Merge(previous))
+        .await
+        .unwrap();
+    result.unwrap();
+}
+
+async fn convert_both_ways(f: &Fixture) -> Result<()> {
+    // Written as v1alpha1 (`size`, `configData`), read as v1.
+    let old: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "app.example.com/v1alpha1", "kind": "MyApp", "metadata": {"name": "old"},
+        "spec": {"size": 2, "image": "nginx:1.27", "configData": {"k": "v"}}
+    }))?;
+    f.dynamic("v1alpha1")
+        .create(&PostParams::default(), &old)
+        .await
+        .context("creating v1alpha1")?;
+    let as_v1 = f.api::<MyApp>().get("old").await.context("reading v1")?;
+    assert_eq!(as_v1.spec.replicas, Some(2));
+    assert_eq!(
+        as_v1.spec.config,
+        BTreeMap::from([("k".to_string(), "v".to_string())])
+    );
+    // The operator works from v1 whatever version the user wrote.
+    f.try_ready("old", 2).await?;
+
+    // Written as v1, read as v1alpha1 and v1beta1.
+    f.create(
+        "new",
+        json!({"replicas": 3, "image": "nginx:1.27", "config": {"a": "b"}}),
+    )
+    .await;
+    let alpha = f
+        .dynamic("v1alpha1")
+        .get("new")
+        .await
+        .context("reading v1alpha1")?;
+    assert_eq!(
+        alpha.types.as_ref().map(|t| t.api_version.as_str()),
+        Some("app.example.com/v1alpha1")
+    );
+    assert_eq!(alpha.data["spec"]["size"], 3);
+    assert_eq!(alpha.data["spec"]["configData"], json!({"a": "b"}));
+    assert!(
+        alpha.data["spec"].get("replicas").is_none() && alpha.data["spec"].get("config").is_none()
+    );
+    let beta = f
+        .dynamic("v1beta1")
+        .get("new")
+        .await
+        .context("reading v1beta1")?;
+    assert_eq!(beta.data["spec"]["replicas"], 3);
+    assert_eq!(beta.data["spec"]["configData"], json!({"a": "b"}));
+
+    // An update through an old version keeps the fields it cannot name.
+    f.dynamic("v1alpha1")
+        .patch(
+            "new",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"size": 4}})),
+        )
+        .await
+        .context("patching v1alpha1")?;
+    let back = f.api::<MyApp>().get("new").await?;
+    if back.spec.replicas != Some(4) || back.spec.config.get("a").map(String::as_str) != Some("b") {
+        bail!("v1alpha1 patch lost data: {:?}", back.spec);
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_deployment_deleted_or_edited_by_hand_is_put_back() {
+    let f = Fixture::start("drift").await;
+    f.create("web", json!({"replicas": 2, "image": "nginx:1.27"}))
+        .await;
+    f.ready("web", 2).await;
+    let deployments = f.api::<Deployment>();
+    let first = f.deployment("web").await;
+
+    deployments
+        .delete("web-deploy", &DeleteParams::default())
+        .await
+        .unwrap();
+    let back = wait_for(TIMEOUT, "the Deployment to come back", || async {
+        let d = deployments.get_opt("web-deploy").await?;
+        Ok(d.filter(|d| d.metadata.uid != first.metadata.uid))
+    })
+    .await
+    .unwrap();
+    assert_eq!(back.spec.unwrap().replicas, Some(2));
+    f.ready("web", 2).await;
+
+    let scale = json!({"spec": {"replicas": 5}});
+    deployments
+        .patch("web-deploy", &PatchParams::default(), &Patch::Merge(scale))
+        .await
+        .unwrap();
+    wait_for(TIMEOUT, "the hand-made scale to be undone", || async {
+        let d = deployments.get("web-deploy").await?;
+        Ok((d.spec.and_then(|s| s.replicas) == Some(2)).then_some(()))
+    })
+    .await
+    .unwrap();
+    f.ready("web", 2).await;
+}
+
+#[tokio::test]
+async fn deleting_the_myapp_collects_its_children() {
+    let f = Fixture::start("gc").await;
+    f.create(
+        "web",
+        json!({"replicas": 1, "image": "nginx:1.27", "config": {"a": "b"}}),
+    )
+    .await;
+    f.ready("web", 1).await;
+    f.api::<MyApp>()
+        .delete("web", &DeleteParams::default())
+        .await
+        .unwrap();
+    let (deployments, config_maps) = (f.api::<Deployment>(), f.api::<ConfigMap>());
+    wait_for(
+        TIMEOUT,
+        "the garbage collector to remove Deployment and ConfigMap",
+        || async {
+            let gone = deployments.get_opt("web-deploy").await?.is_none()
+                && config_maps.get_opt("web-config").await?.is_none();
+            Ok(gone.then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_myapp_without_image_is_degraded_not_deployed() {
+    let f = Fixture::start("noimage").await;
+    // The seed's FederatedMyApp template renders exactly this.
+    f.create("seed", json!({"replicas": 3})).await;
+    let api = f.api::<MyApp>();
+    let status = wait_for(TIMEOUT, "the ImageMissing condition", || async {
+        let status = api.get("seed").await?.status.unwrap_or_default();
+        Ok(status
+            .conditions
+            .iter()
+            .any(|c| c.reason == "ImageMissing")
+            .then_some(status))
+    })
+    .await
+    .unwrap();
+    assert!(!status.ready);
+    assert_eq!(condition(&status, "Degraded"), ("True", "ImageMissing"));
+    assert!(
+        f.api::<Deployment>()
+            .get_opt("seed-deploy")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let events: Api<k8s_openapi::api::events::v1::Event> = f.api();
+    wait_for(TIMEOUT, "a Warning Event ImageMissing", || async {
+        let list = events.list(&ListParams::default()).await?;
+        Ok(list
+            .items
+            .iter()
+            .any(|e| {
+                e.reason.as_deref() == Some("ImageMissing") && e.type_.as_deref() == Some("Warning")
+            })
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+
+    // Naming an image later is all it takes.
+    api.patch(
+        "seed",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"image": "nginx:1.27"}})),
+    )
+    .await
+    .unwrap();
+    f.ready("seed", 3).await;
+}
