@@ -118,14 +118,9 @@ pub async fn run(
 
 /// Exponential backoff from 200 ms to 30 s, with jitter so that agents restarted
 /// together do not reconnect together.
+#[derive(Default)]
 struct Backoff {
     attempt: u32,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Self { attempt: 0 }
-    }
 }
 
 impl Backoff {

@@ -213,10 +213,10 @@ impl Index {
     fn confirm_gone(&mut self, cluster: &str, key: &AppKey) {
         if let Some(waiting) = self.deleting.get_mut(key) {
             waiting.remove(cluster);
-            if let Some(d) = self.desired.get_mut(cluster) {
-                if d.get(key) == Some(&Desired::Release) {
-                    d.remove(key);
-                }
+            if let Some(d) = self.desired.get_mut(cluster)
+                && d.get(key) == Some(&Desired::Release)
+            {
+                d.remove(key);
             }
         }
     }
