@@ -108,6 +108,17 @@ pub fn index_app(app: &FederatedMyApp, ctx: &Context) -> Plan {
     plan
 }
 
+/// Carries a deletion into the index (pure, like [`index_app`]): returns the clusters
+/// that have not yet confirmed the MyApp is gone, or released with `kubefed.io/orphan`.
+pub fn index_deletion(app: &FederatedMyApp, ctx: &Context) -> (Plan, Vec<String>) {
+    let key = key_of(app);
+    let orphan = app.annotations().get(ORPHAN_ANNOTATION).is_some_and(|v| v == "true");
+    let (plan, _) = plan_app(app, &registered(&ctx.members));
+    let placed: Vec<String> = plan.clusters.keys().cloned().collect();
+    let waiting = ctx.dispatcher.delete_app(&key, orphan, &placed);
+    (plan, waiting)
+}
+
 pub async fn reconcile(app: Arc<FederatedMyApp>, ctx: Arc<Context>) -> Result<Action, Error> {
     let timer = ctx.metrics.reconcile(CONTROLLER);
     let result = reconcile_app(&app, &ctx).await;
@@ -158,7 +169,7 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
             })?;
         ctx.dispatcher.forget(&key);
         ctx.status.forget(&key);
-        info!(app = %key, orphan, "deleted from every member cluster");
+        info!(app = %key, "deleted from (or released by) every member cluster");
         return Ok(Action::await_change());
     }
     if !has_finalizer {

@@ -147,11 +147,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             if apps.wait_until_ready().await.is_err() || members.wait_until_ready().await.is_err() {
                 return;
             }
+            // Deletions too: an orphaning delete must reach agents as a release, never
+            // as a missing entry that they would collect.
             for app in apps.state() {
-                if app.metadata.deletion_timestamp.is_none() {
-                    let plan = controller::index_app(&app, &ctx);
-                    ctx.status.set_plan(&controller::key_of(&app), plan);
-                }
+                let plan = match app.metadata.deletion_timestamp {
+                    None => controller::index_app(&app, &ctx),
+                    Some(_) => controller::index_deletion(&app, &ctx).0,
+                };
+                ctx.status.set_plan(&controller::key_of(&app), plan);
             }
             let _ = ready_tx.send(true);
             synced.open();
