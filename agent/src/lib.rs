@@ -1,7 +1,8 @@
-//! The Flotilla agent, one per member cluster. Modules follow the data flow: the hub
-//! session and sync (to come) write MyApps; `operator` turns each MyApp into a running
-//! Deployment; `webhook` converts between MyApp versions for the apiserver. `metrics`,
-//! `telemetry`, `http` and `shutdown` serve them all; `cli` wires them together.
+//! The Flotilla agent, one per member cluster. Modules follow the data flow: `session`
+//! talks to the hub and `sync` writes the MyApps it receives; `operator` turns each MyApp
+//! into a running Deployment; `report` sends their status back; `webhook` converts
+//! between MyApp versions for the apiserver. `metrics`, `telemetry`, `http` and
+//! `shutdown` serve them all; `cli` wires them together.
 
 pub mod cli;
 pub mod http;

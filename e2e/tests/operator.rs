@@ -12,6 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use flotilla_crds::{MyApp, MyAppStatus};
+use flotilla_e2e::federation::{Federation, agent_name};
 use flotilla_e2e::{Env, ProcessRecord, wait_for};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
@@ -55,20 +56,29 @@ fn free_port() -> u16 {
 }
 
 /// A test's world: a fresh namespace on a member cluster with an operator watching it.
+/// When the environment runs Flotilla (`flotilla-agent run` per member), that agent's
+/// operator is the one under test; otherwise the test starts `flotilla-agent operator`
+/// for its namespace alone.
 struct Fixture {
     env: Env,
     member: String,
     client: Client,
     namespace: String,
-    operator: ProcessRecord,
+    /// The operator this test started, if it started one.
+    own: Option<ProcessRecord>,
 }
 
 impl Fixture {
+    /// Whether the environment runs an agent (and so an operator and a webhook) per member.
+    fn env_runs_agents(env: &Env) -> bool {
+        Federation::load(env).is_ok()
+    }
+
     async fn start(test: &str) -> Fixture {
         Self::start_with(test, false).await
     }
 
-    /// With `publish`, the operator points the MyApp CRD at its own webhook.
+    /// With `publish`, a test-started operator points the MyApp CRD at its own webhook.
     async fn start_with(test: &str, publish: bool) -> Fixture {
         let env = Env::load_ready()
             .await
@@ -91,41 +101,60 @@ impl Fixture {
             .create(&PostParams::default(), &ns)
             .await
             .unwrap();
+        let mut fixture = Fixture {
+            env,
+            member,
+            client,
+            namespace,
+            own: None,
+        };
+        if let Ok(federation) = Federation::load(&fixture.env) {
+            let agent = agent_name(&fixture.member);
+            federation.wait_ready(&agent).await.unwrap();
+            return fixture;
+        }
 
         let (http_port, webhook_port) = (free_port(), free_port());
         let mut cmd = Command::new(agent_binary());
-        cmd.env("KUBECONFIG", env.kubeconfig(&member).unwrap())
-            .args(["operator", "--namespace", &namespace, "--resync", "5m"])
-            .args(["--http-addr", &format!("127.0.0.1:{http_port}")])
-            .args(["--webhook-addr", &format!("127.0.0.1:{webhook_port}")]);
+        cmd.env(
+            "KUBECONFIG",
+            fixture.env.kubeconfig(&fixture.member).unwrap(),
+        )
+        .args(["operator", "--namespace", &fixture.namespace])
+        .args(["--resync", "5m"])
+        .args(["--http-addr", &format!("127.0.0.1:{http_port}")])
+        .args(["--webhook-addr", &format!("127.0.0.1:{webhook_port}")]);
         if publish {
             cmd.args([
                 "--webhook-url",
                 &format!("https://127.0.0.1:{webhook_port}/convert"),
             ]);
         }
-        let operator = env
-            .spawn(&format!("operator-{namespace}"), &mut cmd)
-            .unwrap();
-        let fixture = Fixture {
-            env,
-            member,
-            client,
-            namespace,
-            operator,
-        };
+        let name = format!("operator-{}", fixture.namespace);
+        let operator = fixture.env.spawn(&name, &mut cmd).unwrap();
+        fixture.own = Some(operator.clone());
         wait_for(TIMEOUT, "the operator to be ready", || async {
-            if !fixture.operator.alive() {
+            if !operator.alive() {
                 bail!("the operator exited");
             }
-            Ok((http_get(http_port, "/readyz")
-                .await?
-                .starts_with("HTTP/1.0 200"))
-            .then_some(()))
+            let response = http_get(http_port, "/readyz").await?;
+            Ok(response.starts_with("HTTP/1.0 200").then_some(()))
         })
         .await
-        .unwrap_or_else(|e| panic!("{e:#}; log: {:?}", fixture.operator.log));
+        .unwrap_or_else(|e| panic!("{e:#}; {}", fixture.log()));
         fixture
+    }
+
+    /// Where the operator's log is, for failure messages.
+    fn log(&self) -> String {
+        match &self.own {
+            Some(p) => format!("operator log: {:?}", p.log),
+            None => format!(
+                "operator log: {}/logs/{}.log",
+                self.env.dir.display(),
+                agent_name(&self.member)
+            ),
+        }
     }
 
     fn api<K>(&self) -> Api<K>
@@ -170,7 +199,7 @@ impl Fixture {
             Ok((current && status.ready && status.ready_replicas == replicas).then_some(app))
         })
         .await
-        .with_context(|| format!("operator log: {:?}", self.operator.log))
+        .with_context(|| self.log())
     }
 
     async fn deployment(&self, name: &str) -> Deployment {
@@ -193,8 +222,10 @@ impl Fixture {
 
 impl Drop for Fixture {
     fn drop(&mut self) {
-        if let Err(e) = self.operator.stop(Duration::from_secs(5)) {
-            eprintln!("stopping {}: {e:#}", self.operator.name);
+        if let Some(operator) = &self.own
+            && let Err(e) = operator.stop(Duration::from_secs(5))
+        {
+            eprintln!("stopping {}: {e:#}", operator.name);
         }
         // The namespace goes with everything in it; nobody waits for that. A fresh client
         // on a fresh runtime: the test's runtime is blocked in this very drop.
@@ -429,9 +460,14 @@ async fn conversion_patch(crds: &Api<CustomResourceDefinition>) -> Value {
 
 #[tokio::test]
 async fn versions_convert_through_the_webhook() {
-    // This test's operator points the CRD at its own webhook (as a local agent does with
-    // --webhook-url), and the CRD's previous conversion settings are put back afterwards.
     let env = Env::load_ready().await.unwrap();
+    if Fixture::env_runs_agents(&env) {
+        // The env's agents published their webhook when they started.
+        let f = Fixture::start("convert").await;
+        return convert_both_ways(&f).await.unwrap();
+    }
+    // This test's operator points the CRD at its own webhook, as a local agent does with
+    // --webhook-url; the CRD's previous conversion settings are put back afterwards.
     let crds = Api::<CustomResourceDefinition>::all(env.client(env.members()[0]).await.unwrap());
     let previous = conversion_patch(&crds).await;
     let f = Fixture::start_with("convert", true).await;
