@@ -6,6 +6,7 @@
 //! first member cluster. Needs a running environment (`cargo run -p flotilla-e2e -- up`).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -15,7 +16,9 @@ use flotilla_crds::{MyApp, MyAppStatus};
 use flotilla_e2e::federation::{Federation, agent_name};
 use flotilla_e2e::{Env, ProcessRecord, wait_for};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::api::authorization::v1::SubjectAccessReview;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch,
@@ -84,7 +87,20 @@ impl Fixture {
             .await
             .unwrap_or_else(|e| panic!("the e2e environment is not up: {e:#}"));
         let member = env.members().first().expect("a member cluster").to_string();
-        let client = env.client(&member).await.unwrap();
+        let mut fixture = Fixture::new(env, member, test).await;
+        if let Ok(federation) = Federation::load(&fixture.env) {
+            let agent = agent_name(&fixture.member);
+            federation.wait_ready(&agent).await.unwrap();
+        } else {
+            let kubeconfig = fixture.env.kubeconfig(&fixture.member).unwrap().to_owned();
+            fixture.launch(&kubeconfig, publish).await;
+        }
+        fixture
+    }
+
+    /// A fresh namespace on `cluster`, no operator yet.
+    async fn new(env: Env, cluster: String, test: &str) -> Fixture {
+        let client = env.client(&cluster).await.unwrap();
         let millis = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap()
@@ -101,38 +117,34 @@ impl Fixture {
             .create(&PostParams::default(), &ns)
             .await
             .unwrap();
-        let mut fixture = Fixture {
+        Fixture {
             env,
-            member,
+            member: cluster,
             client,
             namespace,
             own: None,
-        };
-        if let Ok(federation) = Federation::load(&fixture.env) {
-            let agent = agent_name(&fixture.member);
-            federation.wait_ready(&agent).await.unwrap();
-            return fixture;
         }
+    }
 
+    /// Starts `flotilla-agent operator` for this namespace with `kubeconfig` and waits
+    /// until it is ready.
+    async fn launch(&mut self, kubeconfig: &Path, publish: bool) {
         let (http_port, webhook_port) = (free_port(), free_port());
         let mut cmd = Command::new(agent_binary());
-        cmd.env(
-            "KUBECONFIG",
-            fixture.env.kubeconfig(&fixture.member).unwrap(),
-        )
-        .args(["operator", "--namespace", &fixture.namespace])
-        .args(["--resync", "5m"])
-        .args(["--http-addr", &format!("127.0.0.1:{http_port}")])
-        .args(["--webhook-addr", &format!("127.0.0.1:{webhook_port}")]);
+        cmd.env("KUBECONFIG", kubeconfig)
+            .args(["operator", "--namespace", &self.namespace])
+            .args(["--resync", "5m"])
+            .args(["--http-addr", &format!("127.0.0.1:{http_port}")])
+            .args(["--webhook-addr", &format!("127.0.0.1:{webhook_port}")]);
         if publish {
             cmd.args([
                 "--webhook-url",
                 &format!("https://127.0.0.1:{webhook_port}/convert"),
             ]);
         }
-        let name = format!("operator-{}", fixture.namespace);
-        let operator = fixture.env.spawn(&name, &mut cmd).unwrap();
-        fixture.own = Some(operator.clone());
+        let name = format!("operator-{}", self.namespace);
+        let operator = self.env.spawn(&name, &mut cmd).unwrap();
+        self.own = Some(operator.clone());
         wait_for(TIMEOUT, "the operator to be ready", || async {
             if !operator.alive() {
                 bail!("the operator exited");
@@ -141,8 +153,7 @@ impl Fixture {
             Ok(response.starts_with("HTTP/1.0 200").then_some(()))
         })
         .await
-        .unwrap_or_else(|e| panic!("{e:#}; {}", fixture.log()));
-        fixture
+        .unwrap_or_else(|e| panic!("{e:#}; {}", self.log()));
     }
 
     /// Where the operator's log is, for failure messages.
@@ -652,4 +663,126 @@ async fn a_myapp_without_image_is_degraded_not_deployed() {
     .await
     .unwrap();
     f.ready("seed", 3).await;
+}
+
+/// The agent's identity from `deploy/base/rbac.yaml`.
+const AGENT_SA: &str = "system:serviceaccount:flotilla-system:flotilla-agent";
+
+/// Applies the ServiceAccount, ClusterRole and ClusterRoleBinding of `deploy/base/rbac.yaml`.
+async fn apply_deploy_rbac(client: &Client) -> Result<()> {
+    let path = flotilla_e2e::env::workspace_root().join("deploy/base/rbac.yaml");
+    let text = std::fs::read_to_string(&path)?;
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "flotilla-system"}}))?;
+    let pp = PatchParams::apply("e2e-operator-rbac").force();
+    Api::<Namespace>::all(client.clone())
+        .patch("flotilla-system", &pp, &Patch::Apply(&ns))
+        .await?;
+    for doc in text.split("\n---\n") {
+        let value: Value = serde_yaml::from_str(doc)?;
+        let name = value["metadata"]["name"]
+            .as_str()
+            .context("a name")?
+            .to_string();
+        match value["kind"].as_str() {
+            Some("ServiceAccount") => {
+                let api: Api<ServiceAccount> = Api::namespaced(client.clone(), "flotilla-system");
+                api.patch(&name, &pp, &Patch::Apply(&value)).await?;
+            }
+            Some("ClusterRole") => {
+                let api: Api<ClusterRole> = Api::all(client.clone());
+                api.patch(&name, &pp, &Patch::Apply(&value)).await?;
+            }
+            Some("ClusterRoleBinding") => {
+                let api: Api<ClusterRoleBinding> = Api::all(client.clone());
+                api.patch(&name, &pp, &Patch::Apply(&value)).await?;
+            }
+            other => bail!("unexpected {other:?} in {}", path.display()),
+        }
+    }
+    Ok(())
+}
+
+/// Whether the agent's ServiceAccount may `verb` `resource` (`group/resource`).
+async fn agent_may(client: &Client, verb: &str, group: &str, resource: &str) -> bool {
+    let review: SubjectAccessReview = serde_json::from_value(json!({
+        "spec": {"user": AGENT_SA, "groups": ["system:serviceaccounts", "system:authenticated"],
+                 "resourceAttributes": {"verb": verb, "group": group, "resource": resource, "namespace": "default"}}
+    }))
+    .unwrap();
+    let api: Api<SubjectAccessReview> = Api::all(client.clone());
+    let answer = api.create(&PostParams::default(), &review).await.unwrap();
+    answer.status.is_some_and(|s| s.allowed)
+}
+
+/// The operator runs as the agent's ServiceAccount with exactly the deploy RBAC, on the
+/// host cluster (no agent runs there, so what happens is this operator's doing).
+#[tokio::test]
+async fn the_deploy_rbac_is_all_the_operator_needs() {
+    let env = Env::load_ready().await.unwrap();
+    let host = env.host().to_string();
+    let admin = env.client(&host).await.unwrap();
+    apply_deploy_rbac(&admin).await.unwrap();
+
+    // The host's kubeconfig, impersonating the ServiceAccount.
+    let mut kubeconfig: Value =
+        serde_yaml::from_str(&std::fs::read_to_string(env.kubeconfig(&host).unwrap()).unwrap())
+            .unwrap();
+    for user in kubeconfig["users"].as_array_mut().unwrap() {
+        user["user"]["as"] = json!(AGENT_SA);
+    }
+    let path = std::env::temp_dir().join(format!("flotilla-agent-sa-{}.yaml", std::process::id()));
+    std::fs::write(&path, serde_yaml::to_string(&kubeconfig).unwrap()).unwrap();
+
+    let crds = Api::<CustomResourceDefinition>::all(admin.clone());
+    let previous = conversion_patch(&crds).await;
+    let mut f = Fixture::new(env, host, "rbac").await;
+    f.launch(&path, true).await;
+    let result = async {
+        // Written as v1alpha1: the CRD patch and the webhook work under this identity.
+        let old: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "app.example.com/v1alpha1", "kind": "MyApp", "metadata": {"name": "web"},
+            "spec": {"size": 2, "image": "nginx:1.27", "configData": {"k": "v"}}
+        }))?;
+        f.dynamic("v1alpha1")
+            .create(&PostParams::default(), &old)
+            .await?;
+        f.try_ready("web", 2).await?;
+        let deployments = f.api::<Deployment>();
+        deployments
+            .delete("web-deploy", &DeleteParams::default())
+            .await?;
+        f.try_ready("web", 2).await?;
+        let events: Api<k8s_openapi::api::events::v1::Event> = f.api();
+        let list = events.list(&ListParams::default()).await?;
+        if !list
+            .items
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("DeploymentCreated"))
+        {
+            bail!("no DeploymentCreated Event");
+        }
+        Ok(())
+    }
+    .await;
+    crds.patch(CRD, &PatchParams::default(), &Patch::Merge(previous))
+        .await
+        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    result.unwrap();
+
+    // ... and nothing it does not need.
+    for (verb, group, resource) in [
+        ("delete", "apps", "deployments"),
+        ("update", "apps", "deployments"),
+        ("get", "", "secrets"),
+        ("create", "", "pods"),
+        ("update", "app.example.com", "myapps"),
+        ("patch", "apiextensions.k8s.io", "customresourcedefinitions"),
+    ] {
+        assert!(
+            !agent_may(&f.client, verb, group, resource).await,
+            "may {verb} {group}/{resource}"
+        );
+    }
+    assert!(agent_may(&f.client, "patch", "app.example.com", "myapps").await);
 }
