@@ -117,13 +117,19 @@ async fn seed_example_propagates_updates_and_reports_ready() -> Result<()> {
     apply(&c.host, &seed).await?;
     replicas_on(&c.c1, "my-app-sample", 3).await?;
     replicas_on(&c.c2, "my-app-sample", 5).await?;
-    let status = status_where(&c.host, "my-app-sample", "both clusters in status", |s| {
-        s["clusters"].as_array().is_some_and(|a| a.len() == 2)
-    })
+    // Both MyApps applied: Propagated, with both clusters listed (not Ready: no image).
+    let status = status_where(
+        &c.host,
+        "my-app-sample",
+        "Propagated with both clusters",
+        |s| {
+            s["clusters"].as_array().is_some_and(|a| a.len() == 2)
+                && condition(s, "Propagated").is_some_and(|c| c["status"] == "True")
+        },
+    )
     .await?;
     assert_eq!(status["clusters"][0]["name"], "cluster1");
     assert_eq!(status["clusters"][1]["name"], "cluster2");
-    assert_eq!(condition(&status, "Propagated").unwrap()["status"], "True");
 
     // The seed names no image: give it one, and it becomes Ready everywhere.
     let patch = json!({"spec": {"template": {"spec": {"image": "nginx:1.27"}}}});
