@@ -112,7 +112,10 @@ pub fn index_app(app: &FederatedMyApp, ctx: &Context) -> Plan {
 /// that have not yet confirmed the MyApp is gone, or released with `kubefed.io/orphan`.
 pub fn index_deletion(app: &FederatedMyApp, ctx: &Context) -> (Plan, Vec<String>) {
     let key = key_of(app);
-    let orphan = app.annotations().get(ORPHAN_ANNOTATION).is_some_and(|v| v == "true");
+    let orphan = app
+        .annotations()
+        .get(ORPHAN_ANNOTATION)
+        .is_some_and(|v| v == "true");
     let (plan, _) = plan_app(app, &registered(&ctx.members));
     let placed: Vec<String> = plan.clusters.keys().cloned().collect();
     let waiting = ctx.dispatcher.delete_app(&key, orphan, &placed);

@@ -1,0 +1,246 @@
+//! Hub fan-out over real gRPC with TLS on loopback: C agents connect with nothing
+//! applied, and the hub pushes every (cluster, app) pair it rendered, then SyncComplete.
+//! Prints pushes per second against a floor measured in the same run: a bare tonic
+//! service streaming the same messages over the same TLS, with no index, queue or auth.
+//!
+//!   cargo bench -p flotilla-hub --bench fanout -- [CLUSTERS] [APPS]   (default 100 1000)
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flotilla_crds::{FederatedMyApp, MemberCluster};
+use flotilla_hub::dispatch::Dispatcher;
+use flotilla_hub::index::{AppKey, Desired};
+use flotilla_hub::membership::Membership;
+use flotilla_hub::placement::Members;
+use flotilla_hub::server::{FederationService, token_sha256};
+use flotilla_hub::status::StatusBoard;
+use flotilla_proto::v1::federation_client::FederationClient;
+use flotilla_proto::v1::federation_server::{Federation, FederationServer};
+use flotilla_proto::v1::{self as pb, agent_message, hub_message};
+use kube::runtime::reflector;
+use kube::runtime::watcher;
+use rcgen::{CertificateParams, CertifiedIssuer, KeyPair};
+use serde_json::json;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig};
+use tonic::{Request, Response, Status, Streaming};
+
+struct Tls {
+    ca: String,
+    cert: String,
+    key: String,
+}
+
+fn tls() -> Tls {
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["localhost".into()])
+        .unwrap()
+        .signed_by(&key, &ca)
+        .unwrap();
+    Tls {
+        ca: ca.pem(),
+        cert: cert.pem(),
+        key: key.serialize_pem(),
+    }
+}
+
+async fn serve<S: Federation>(service: S, tls: &Tls) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = Server::builder()
+        .tls_config(ServerTlsConfig::new().identity(Identity::from_pem(&tls.cert, &tls.key)))
+        .unwrap()
+        .add_service(FederationServer::new(service).max_decoding_message_size(16 << 20));
+    tokio::spawn(server.serve_with_incoming(TcpListenerStream::new(listener)));
+    addr
+}
+
+/// One agent: Hello, then counts Apply messages until SyncComplete.
+async fn agent(addr: SocketAddr, ca: String, cluster: String, token: String) -> usize {
+    let channel = Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(
+            ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(ca))
+                .domain_name("localhost"),
+        )
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let bearer: tonic::metadata::MetadataValue<_> = format!("Bearer {token}").parse().unwrap();
+    let mut client = FederationClient::with_interceptor(channel, move |mut r: Request<()>| {
+        r.metadata_mut().insert("authorization", bearer.clone());
+        Ok(r)
+    });
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let hello = pb::Hello {
+        cluster,
+        ..Default::default()
+    };
+    tx.send(pb::AgentMessage {
+        kind: Some(agent_message::Kind::Hello(hello)),
+    })
+    .await
+    .unwrap();
+    let mut inbound = client
+        .session(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut applies = 0;
+    while let Some(m) = inbound.message().await.unwrap() {
+        match m.kind {
+            Some(hub_message::Kind::Apply(_)) => applies += 1,
+            Some(hub_message::Kind::SyncComplete(_)) => break,
+            _ => {}
+        }
+    }
+    drop(tx);
+    applies
+}
+
+/// The floor: streams prebuilt messages, nothing else.
+struct Bare {
+    per_cluster: Arc<Vec<pb::HubMessage>>,
+}
+
+#[tonic::async_trait]
+impl Federation for Bare {
+    type SessionStream = ReceiverStream<Result<pb::HubMessage, Status>>;
+    async fn session(
+        &self,
+        request: Request<Streaming<pb::AgentMessage>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let mut inbound = request.into_inner();
+        let _hello = inbound.message().await?;
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let messages = self.per_cluster.clone();
+        tokio::spawn(async move {
+            for m in messages.iter() {
+                if tx.send(Ok(m.clone())).await.is_err() {
+                    return;
+                }
+            }
+            let _ = inbound.message().await;
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+async fn run_agents(
+    addr: SocketAddr,
+    tls: &Tls,
+    tokens: &BTreeMap<String, String>,
+) -> (usize, Duration) {
+    let start = Instant::now();
+    let agents: Vec<_> = tokens
+        .iter()
+        .map(|(c, t)| tokio::spawn(agent(addr, tls.ca.clone(), c.clone(), t.clone())))
+        .collect();
+    let mut total = 0;
+    for a in agents {
+        total += a.await.unwrap();
+    }
+    (total, start.elapsed())
+}
+
+fn rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0);
+    kb / 1024.0
+}
+
+fn main() {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let (clusters, apps) = (
+        args.first().copied().unwrap_or(100),
+        args.get(1).copied().unwrap_or(1000),
+    );
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async move {
+        let tls = tls();
+        let names: Vec<String> = (0..clusters).map(|i| format!("cluster{i:04}")).collect();
+        let members: Members = names.iter().map(|n| (n.clone(), Default::default())).collect();
+        let (store, mut writer) = reflector::store::<MemberCluster>();
+        let mut tokens = BTreeMap::new();
+        for name in &names {
+            let token = format!("{name}.bench-secret");
+            let mc: MemberCluster = serde_json::from_value(json!({
+                "apiVersion": "core.kubefed.io/v1beta1", "kind": "MemberCluster",
+                "metadata": {"name": name}, "spec": {"tokenSha256": token_sha256(&token)}})).unwrap();
+            writer.apply_watcher_event(&watcher::Event::Apply(mc));
+            tokens.insert(name.clone(), token);
+        }
+
+        let rss_before = rss_mib();
+        let dispatcher = Arc::new(Dispatcher::default());
+        let start = Instant::now();
+        for a in 0..apps {
+            let app: FederatedMyApp = serde_json::from_value(json!({
+                "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+                "metadata": {"name": format!("app{a:05}"), "namespace": "default"},
+                "spec": {"placement": {"clusterSelector": {}},
+                         "template": {"spec": {"replicas": 2, "image": "nginx:1.27", "config": {"a.conf": format!("id={a}")}}},
+                         "overrides": [{"clusterName": names[a % clusters], "clusterOverrides": [{"path": "/spec/replicas", "value": 3}]}]}})).unwrap();
+            let rendered = flotilla_hub::render::render(&app, &members).unwrap();
+            let plan = rendered.clusters.into_iter().map(|(c, r)| (c, Desired::Apply(Arc::new(r.unwrap())))).collect();
+            dispatcher.set_app(&AppKey::new("default", format!("app{a:05}")), plan);
+        }
+        let render_time = start.elapsed();
+        let pairs = clusters * apps;
+        let rss_index = rss_mib() - rss_before;
+
+        let (_ready_tx, ready) = tokio::sync::watch::channel(true);
+        let service = FederationService {
+            dispatcher: dispatcher.clone(),
+            status: Arc::new(StatusBoard::default()),
+            membership: Arc::new(Membership::new(Duration::from_secs(60))),
+            members: store,
+            ready,
+        };
+        let hub_addr = serve(service, &tls).await;
+        let (delivered, hub_time) = run_agents(hub_addr, &tls, &tokens).await;
+        assert_eq!(delivered, pairs, "every pair is delivered exactly once");
+
+        // The floor carries the same bytes: one app's rendered JSON per message.
+        let sample = flotilla_hub::render::render(
+            &serde_json::from_value(json!({"apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+                "metadata": {"name": "app00000", "namespace": "default"},
+                "spec": {"placement": {"clusters": [{"name": names[0]}]},
+                         "template": {"spec": {"replicas": 2, "image": "nginx:1.27", "config": {"a.conf": "id=0"}}}}})).unwrap(),
+            &members,
+        )
+        .unwrap();
+        let one = sample.clusters.into_values().next().unwrap().unwrap();
+        let mut per_cluster: Vec<pb::HubMessage> = (0..apps)
+            .map(|a| pb::HubMessage { kind: Some(hub_message::Kind::Apply(pb::Apply {
+                key: Some(pb::ObjectKey { namespace: "default".into(), name: format!("app{a:05}") }),
+                hash: one.hash.clone(), manifest: one.json.clone() })) })
+            .collect();
+        per_cluster.push(pb::HubMessage { kind: Some(hub_message::Kind::SyncComplete(pb::SyncComplete::default())) });
+        let bare_addr = serve(Bare { per_cluster: Arc::new(per_cluster) }, &tls).await;
+        let (floor_delivered, floor_time) = run_agents(bare_addr, &tls, &tokens).await;
+        assert_eq!(floor_delivered, pairs);
+
+        let rate = |d: Duration| pairs as f64 / d.as_secs_f64();
+        println!("fan-out: {clusters} clusters x {apps} apps = {pairs} pairs, TLS gRPC on loopback, agents in-process");
+        println!("render + index of all pairs: {:.2}s ({:.0} pairs/s); index memory ~{rss_index:.0} MiB", render_time.as_secs_f64(), rate(render_time));
+        println!("floor (bare tonic stream): {:.2}s, {:.0} pushes/s", floor_time.as_secs_f64(), rate(floor_time));
+        println!("hub (auth, index diff, queues): {:.2}s, {:.0} pushes/s", hub_time.as_secs_f64(), rate(hub_time));
+        println!("ratio hub/floor: {:.2}x; process RSS {:.0} MiB", hub_time.as_secs_f64() / floor_time.as_secs_f64(), rss_mib());
+    });
+}
