@@ -10,13 +10,13 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use k8s_openapi::jiff::SignedDuration;
 
-use crate::http::{self, Readiness};
-use crate::metrics::Metrics;
+use flotilla_common::http::{self, Readiness};
+use flotilla_common::metrics::Metrics;
 use crate::operator::{self, Namespaces, OperatorConfig};
 use crate::session::{self, SessionConfig};
 use crate::webhook::crd::Endpoint;
 use crate::webhook::{WebhookConfig, run_webhook};
-use crate::{shutdown, telemetry};
+use flotilla_common::{shutdown, telemetry};
 
 #[derive(Parser, Debug)]
 #[command(

@@ -33,8 +33,8 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::http::Gate;
-use crate::metrics::Metrics;
+use flotilla_common::http::Gate;
+use flotilla_common::metrics::Metrics;
 use children::{BuildError, MANAGED_BY, MANAGED_BY_LABEL};
 use status::Problem;
 

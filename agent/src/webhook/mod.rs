@@ -21,7 +21,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 
-use crate::http::Gate;
+use flotilla_common::http::Gate;
 use crd::Endpoint;
 use tls::{Identity, TlsError};
 
