@@ -213,9 +213,15 @@ impl Env {
     }
 }
 
-/// Removes what `up` wrote (state and kubeconfigs); logs stay for post-mortems.
+/// Removes what `up` wrote (state, kubeconfigs, the federation's certificates and
+/// tokens); logs stay for post-mortems.
 pub(crate) fn remove_state(dir: &Path) -> Result<()> {
-    for p in [dir.join(STATE_FILE), dir.join("kubeconfigs")] {
+    // The federation's launch records, certificates and tokens go too.
+    let federation = [crate::federation::state_path(dir), dir.join("federation")];
+    for p in [dir.join(STATE_FILE), dir.join("kubeconfigs")]
+        .into_iter()
+        .chain(federation)
+    {
         let r = if p.is_dir() {
             std::fs::remove_dir_all(&p)
         } else {

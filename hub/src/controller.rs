@@ -140,13 +140,7 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
         if !has_finalizer {
             return Ok(Action::await_change());
         }
-        let orphan = app
-            .annotations()
-            .get(ORPHAN_ANNOTATION)
-            .is_some_and(|v| v == "true");
-        let (plan, _) = plan_app(app, &registered(&ctx.members));
-        let placed: Vec<String> = plan.clusters.keys().cloned().collect();
-        let waiting = ctx.dispatcher.delete_app(&key, orphan, &placed);
+        let (plan, waiting) = index_deletion(app, ctx);
         if !waiting.is_empty() {
             ctx.status.set_plan(
                 &key,
@@ -157,19 +151,13 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
             );
             return Ok(Action::requeue(DELETION_RECHECK));
         }
-        let rest: Vec<&String> = app
+        let rest = app
             .finalizers()
             .iter()
             .filter(|f| *f != FINALIZER)
+            .cloned()
             .collect();
-        let patch =
-            json!({"metadata": {"finalizers": rest, "resourceVersion": app.resource_version()}});
-        api.patch(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map_err(|source| Error::Finalizer {
-                app: key.clone(),
-                source,
-            })?;
+        set_finalizers(&api, app, rest).await?;
         ctx.dispatcher.forget(&key);
         ctx.status.forget(&key);
         info!(app = %key, "deleted from (or released by) every member cluster");
@@ -178,13 +166,7 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
     if !has_finalizer {
         let mut finalizers = app.finalizers().to_vec();
         finalizers.push(FINALIZER.into());
-        let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": app.resource_version()}});
-        api.patch(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map_err(|source| Error::Finalizer {
-                app: key.clone(),
-                source,
-            })?;
+        set_finalizers(&api, app, finalizers).await?;
     }
     let plan = index_app(app, ctx);
     let failures: Vec<(String, String)> = plan
@@ -212,6 +194,27 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
         }
     }
     Ok(Action::await_change())
+}
+
+/// Replaces the finalizer list, guarded by the resourceVersion it was computed from.
+async fn set_finalizers(
+    api: &Api<FederatedMyApp>,
+    app: &FederatedMyApp,
+    finalizers: Vec<String>,
+) -> Result<(), Error> {
+    let patch =
+        json!({"metadata": {"finalizers": finalizers, "resourceVersion": app.resource_version()}});
+    api.patch(
+        &app.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&patch),
+    )
+    .await
+    .map(drop)
+    .map_err(|source| Error::Finalizer {
+        app: key_of(app),
+        source,
+    })
 }
 
 impl Context {
