@@ -10,12 +10,12 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use k8s_openapi::jiff::SignedDuration;
 
-use flotilla_common::http::{self, Readiness};
-use flotilla_common::metrics::Metrics;
 use crate::operator::{self, Namespaces, OperatorConfig};
 use crate::session::{self, SessionConfig};
 use crate::webhook::crd::Endpoint;
 use crate::webhook::{WebhookConfig, run_webhook};
+use flotilla_common::http::{self, Readiness};
+use flotilla_common::metrics::Metrics;
 use flotilla_common::{shutdown, telemetry};
 
 #[derive(Parser, Debug)]

@@ -33,9 +33,9 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use children::{BuildError, MANAGED_BY, MANAGED_BY_LABEL};
 use flotilla_common::http::Gate;
 use flotilla_common::metrics::Metrics;
-use children::{BuildError, MANAGED_BY, MANAGED_BY_LABEL};
 use status::Problem;
 
 /// The `controller` label of the metrics and the reporting controller of Events.

@@ -21,8 +21,8 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 
-use flotilla_common::http::Gate;
 use crd::Endpoint;
+use flotilla_common::http::Gate;
 use tls::{Identity, TlsError};
 
 #[derive(Clone, Debug)]
