@@ -75,3 +75,15 @@ fn seed_myapp_schema_constraints_are_in_the_generated_crd() {
         assert_eq!(v["storage"], v["name"] == "v1", "v1 alone is stored");
     }
 }
+
+/// `examples/federatedmyapp.yaml`, which `flotilla-e2e demo` applies and users copy, is
+/// the seed's example, byte for byte.
+#[test]
+fn the_shipped_example_is_the_seed_verbatim() {
+    let shipped = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/federatedmyapp.yaml"
+    ))
+    .unwrap();
+    assert_eq!(shipped, seed("federatedmyapp.yaml"));
+}

@@ -9,7 +9,7 @@ use kube::api::{Api, Patch, PatchParams};
 
 use crate::{Env, wait_for};
 
-const SEED: &str = include_str!("../../../shared/fixtures/seed/federatedmyapp.yaml");
+const SEED: &str = include_str!("../../examples/federatedmyapp.yaml");
 
 pub async fn demo(env: &Env) -> Result<()> {
     let host = env.client(env.host()).await?;
