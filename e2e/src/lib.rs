@@ -20,6 +20,7 @@ pub mod demo;
 pub mod env;
 pub mod federation;
 pub mod kind;
+pub mod latency;
 pub mod local;
 pub mod process;
 pub mod status;

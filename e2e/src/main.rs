@@ -37,6 +37,11 @@ enum Cmd {
     Kubeconfig { name: String },
     /// Bring the environment up (if it is not) and apply the seed's FederatedMyApp on the host
     Demo,
+    /// Measure propagation latency (host write → member watch) against the watch floor
+    Latency {
+        #[arg(long, default_value_t = 100)]
+        samples: usize,
+    },
     /// Unit tests + the e2e suite; brings the environment up (and down again) if it is not running
     Test {
         #[arg(long, default_value_t = 2)]
@@ -82,6 +87,12 @@ async fn run(cmd: Cmd, dir: PathBuf) -> Result<bool> {
         Cmd::Demo => {
             let env = flotilla_e2e::up(&dir, 2, Provider::Local).await?;
             flotilla_e2e::demo::demo(&env).await.map(|()| true)
+        }
+        Cmd::Latency { samples } => {
+            let env = flotilla_e2e::up(&dir, 2, Provider::Local).await?;
+            flotilla_e2e::latency::latency(&env, samples)
+                .await
+                .map(|()| true)
         }
         Cmd::Test { members, provider } => {
             flotilla_e2e::testcmd::run(&dir, members, provider).await
