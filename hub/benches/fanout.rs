@@ -22,39 +22,22 @@ use flotilla_proto::v1::federation_server::{Federation, FederationServer};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
 use kube::runtime::reflector;
 use kube::runtime::watcher;
-use rcgen::{CertificateParams, CertifiedIssuer, KeyPair};
 use serde_json::json;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig};
 use tonic::{Request, Response, Status, Streaming};
 
-struct Tls {
-    ca: String,
-    cert: String,
-    key: String,
+fn tls() -> flotilla_common::tls::SelfSigned {
+    flotilla_common::tls::self_signed("bench CA", "bench", &["localhost".into()]).unwrap()
 }
 
-fn tls() -> Tls {
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().unwrap()).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(vec!["localhost".into()])
-        .unwrap()
-        .signed_by(&key, &ca)
-        .unwrap();
-    Tls {
-        ca: ca.pem(),
-        cert: cert.pem(),
-        key: key.serialize_pem(),
-    }
-}
-
-async fn serve<S: Federation>(service: S, tls: &Tls) -> SocketAddr {
+async fn serve<S: Federation>(service: S, tls: &flotilla_common::tls::SelfSigned) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let server = Server::builder()
-        .tls_config(ServerTlsConfig::new().identity(Identity::from_pem(&tls.cert, &tls.key)))
+        .tls_config(
+            ServerTlsConfig::new().identity(Identity::from_pem(&tls.cert_pem, &tls.key_pem)),
+        )
         .unwrap()
         .add_service(FederationServer::new(service).max_decoding_message_size(16 << 20));
     tokio::spawn(server.serve_with_incoming(TcpListenerStream::new(listener)));
@@ -136,13 +119,13 @@ impl Federation for Bare {
 
 async fn run_agents(
     addr: SocketAddr,
-    tls: &Tls,
+    tls: &flotilla_common::tls::SelfSigned,
     tokens: &BTreeMap<String, String>,
 ) -> (usize, Duration) {
     let start = Instant::now();
     let agents: Vec<_> = tokens
         .iter()
-        .map(|(c, t)| tokio::spawn(agent(addr, tls.ca.clone(), c.clone(), t.clone())))
+        .map(|(c, t)| tokio::spawn(agent(addr, tls.ca_pem.clone(), c.clone(), t.clone())))
         .collect();
     let mut total = 0;
     for a in agents {

@@ -275,29 +275,12 @@ pub async fn revoke(args: &RevokeArgs) -> anyhow::Result<()> {
 }
 
 pub fn certs(args: &CertsArgs) -> anyhow::Result<()> {
-    use rcgen::{
-        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair,
-        KeyUsagePurpose,
-    };
-    let mut ca = CertificateParams::new(Vec::<String>::new())?;
-    ca.distinguished_name
-        .push(DnType::CommonName, "flotilla-hub CA");
-    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    ca.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate()?)?;
-    let key = KeyPair::generate()?;
-    let mut leaf = CertificateParams::new(args.sans.clone())?;
-    leaf.distinguished_name
-        .push(DnType::CommonName, "flotilla-hub");
-    let leaf = leaf.signed_by(&key, &ca)?;
+    let tls = flotilla_common::tls::self_signed("flotilla-hub CA", "flotilla-hub", &args.sans)?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
-    std::fs::write(args.out.join("ca.crt"), ca.pem())?;
-    std::fs::write(args.out.join("tls.crt"), leaf.pem())?;
-    write_private(&args.out.join("tls.key"), &key.serialize_pem())?;
+    std::fs::write(args.out.join("ca.crt"), &tls.ca_pem)?;
+    std::fs::write(args.out.join("tls.crt"), &tls.cert_pem)?;
+    write_private(&args.out.join("tls.key"), &tls.key_pem)?;
     eprintln!(
         "wrote ca.crt, tls.crt and tls.key to {}",
         args.out.display()

@@ -5,9 +5,6 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
-};
 use rustls::ServerConfig;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
@@ -42,27 +39,15 @@ impl Identity {
     /// A fresh CA and a serving certificate it signs, valid for `hosts` (DNS names or IP
     /// addresses). A new pair at every start: the agent republishes the CA each time.
     pub fn self_signed(hosts: &[String]) -> Result<Self, TlsError> {
-        let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-        ca_params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-        ca_params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        ca_params
-            .distinguished_name
-            .push(DnType::CommonName, "flotilla-agent webhook CA");
-        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
-
-        let mut params = CertificateParams::new(hosts.to_vec())?;
-        params
-            .distinguished_name
-            .push(DnType::CommonName, "flotilla-agent webhook");
-        let key = KeyPair::generate()?;
-        let cert = params.signed_by(&key, &ca)?;
+        let s = flotilla_common::tls::self_signed(
+            "flotilla-agent webhook CA",
+            "flotilla-agent webhook",
+            hosts,
+        )?;
         Ok(Self {
-            cert_pem: cert.pem(),
-            key_pem: key.serialize_pem(),
-            ca_pem: Some(ca.pem()),
+            cert_pem: s.cert_pem,
+            key_pem: s.key_pem,
+            ca_pem: Some(s.ca_pem),
         })
     }
 
