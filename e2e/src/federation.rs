@@ -64,7 +64,8 @@ fn binaries() -> Result<PathBuf> {
     Ok(root.join("target/debug"))
 }
 
-fn free_addr() -> Result<String> {
+/// `127.0.0.1:PORT` with a port free right now.
+pub fn free_addr() -> Result<String> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
     Ok(listener.local_addr()?.to_string())
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use flotilla_crds::{MyApp, MyAppStatus};
-use flotilla_e2e::federation::{Federation, agent_name};
+use flotilla_e2e::federation::{Federation, agent_name, free_addr, http_get};
 use flotilla_e2e::{Env, ProcessRecord, wait_for};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
@@ -26,7 +26,6 @@ use kube::api::{
 };
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const TIMEOUT: Duration = Duration::from_secs(90);
 const CHECKSUM: &str = "checksum/config";
@@ -51,11 +50,6 @@ fn agent_binary() -> &'static str {
             .find_map(|m| m["executable"].as_str().map(str::to_string))
             .expect("cargo names the flotilla-agent executable")
     })
-}
-
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
 }
 
 /// A test's world: a fresh namespace on a member cluster with an operator watching it.
@@ -129,18 +123,15 @@ impl Fixture {
     /// Starts `flotilla-agent operator` for this namespace with `kubeconfig` and waits
     /// until it is ready.
     async fn launch(&mut self, kubeconfig: &Path, publish: bool) {
-        let (http_port, webhook_port) = (free_port(), free_port());
+        let (http_addr, webhook_addr) = (free_addr().unwrap(), free_addr().unwrap());
         let mut cmd = Command::new(agent_binary());
         cmd.env("KUBECONFIG", kubeconfig)
             .args(["operator", "--namespace", &self.namespace])
             .args(["--resync", "5m"])
-            .args(["--http-addr", &format!("127.0.0.1:{http_port}")])
-            .args(["--webhook-addr", &format!("127.0.0.1:{webhook_port}")]);
+            .args(["--http-addr", &http_addr])
+            .args(["--webhook-addr", &webhook_addr]);
         if publish {
-            cmd.args([
-                "--webhook-url",
-                &format!("https://127.0.0.1:{webhook_port}/convert"),
-            ]);
+            cmd.args(["--webhook-url", &format!("https://{webhook_addr}/convert")]);
         }
         let name = format!("operator-{}", self.namespace);
         let operator = self.env.spawn(&name, &mut cmd).unwrap();
@@ -149,8 +140,8 @@ impl Fixture {
             if !operator.alive() {
                 bail!("the operator exited");
             }
-            let response = http_get(http_port, "/readyz").await?;
-            Ok(response.starts_with("HTTP/1.0 200").then_some(()))
+            let (code, _) = http_get(&http_addr, "/readyz").await?;
+            Ok((code == 200).then_some(()))
         })
         .await
         .unwrap_or_else(|e| panic!("{e:#}; {}", self.log()));
@@ -260,17 +251,6 @@ impl Drop for Fixture {
             eprintln!("deleting namespace {}: {e:#}", self.namespace);
         }
     }
-}
-
-/// A bare HTTP/1.0 GET on 127.0.0.1: the whole response as text.
-async fn http_get(port: u16, path: &str) -> Result<String> {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
-        .await?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await?;
-    Ok(response)
 }
 
 fn checksum(d: &Deployment) -> String {

@@ -54,6 +54,13 @@ fn app(name: &str, placement: Value, spec: Value, overrides: Value) -> Value {
     })
 }
 
+async fn merge(host: &Client, name: &str, patch: &Value) -> Result<()> {
+    fedapps(host)
+        .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+        .await?;
+    Ok(())
+}
+
 async fn replicas_on(c: &Client, name: &str, want: i32) -> Result<MyApp> {
     let api = myapps(c);
     wait_for(
@@ -133,13 +140,7 @@ async fn seed_example_propagates_updates_and_reports_ready() -> Result<()> {
 
     // The seed names no image: give it one, and it becomes Ready everywhere.
     let patch = json!({"spec": {"template": {"spec": {"image": "nginx:1.27"}}}});
-    fedapps(&c.host)
-        .patch(
-            "my-app-sample",
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await?;
+    merge(&c.host, "my-app-sample", &patch).await?;
     let status = status_where(&c.host, "my-app-sample", "Ready", |s| {
         condition(s, "Ready").is_some_and(|c| c["status"] == "True")
     })
@@ -150,13 +151,7 @@ async fn seed_example_propagates_updates_and_reports_ready() -> Result<()> {
 
     // The template's replicas reach cluster1; cluster2 keeps its override.
     let patch = json!({"spec": {"template": {"spec": {"replicas": 4}}}});
-    fedapps(&c.host)
-        .patch(
-            "my-app-sample",
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await?;
+    merge(&c.host, "my-app-sample", &patch).await?;
     let one = replicas_on(&c.c1, "my-app-sample", 4).await?;
     assert_eq!(
         myapps(&c.c2).get("my-app-sample").await?.spec.replicas,
@@ -252,13 +247,7 @@ async fn deletion_with_and_without_orphan() -> Result<()> {
         replicas_on(&c.c2, name, 1).await?;
     }
     let orphan = json!({"metadata": {"annotations": {"kubefed.io/orphan": "true"}}});
-    fedapps(&c.host)
-        .patch(
-            "del-orphan",
-            &PatchParams::default(),
-            &Patch::Merge(&orphan),
-        )
-        .await?;
+    merge(&c.host, "del-orphan", &orphan).await?;
 
     delete_and_wait(&c.host, "del-plain").await?;
     for member in [&c.c1, &c.c2] {
