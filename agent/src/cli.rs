@@ -61,6 +61,10 @@ pub struct RunArgs {
     /// Interval of heartbeats to the hub.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub heartbeat: Duration,
+    /// Circuit breaker: the largest share (0–1) of its managed MyApps that orphan
+    /// collection after a (re)connect may delete without a confirmation on the hub.
+    #[arg(long, default_value_t = 0.5, value_parser = parse_share)]
+    pub max_collect_share: f64,
     #[command(flatten)]
     pub operator: OperatorArgs,
 }
@@ -69,15 +73,23 @@ impl RunArgs {
     fn session_config(&self) -> anyhow::Result<SessionConfig> {
         let read =
             |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
-        let token =
-            String::from_utf8(read(&self.token_file)?).context("the token file is not UTF-8")?;
+        // Read once here so that a missing file fails at start; the session reads it
+        // again before every dial, to pick up a rotated token.
+        String::from_utf8(read(&self.token_file)?).context("the token file is not UTF-8")?;
+        if !self.hub.starts_with("https://") {
+            anyhow::bail!(
+                "--hub {:?}: must start with https:// (the token is never sent in clear)",
+                self.hub
+            );
+        }
         Ok(SessionConfig {
             hub: self.hub.clone(),
             cluster: self.cluster.clone(),
-            token: token.trim().to_owned(),
+            token_file: self.token_file.clone(),
             ca_pem: read(&self.hub_ca_file)?,
             server_name: self.hub_server_name.clone(),
             heartbeat: self.heartbeat,
+            max_collect_share: self.max_collect_share,
         })
     }
 }
@@ -149,6 +161,13 @@ impl OperatorArgs {
             concurrency: self.concurrency,
             instance: self.instance.clone(),
         }
+    }
+}
+
+fn parse_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(share) if (0.0..=1.0).contains(&share) => Ok(share),
+        _ => Err(format!("{s:?}: expected a share between 0 and 1, e.g. 0.5")),
     }
 }
 

@@ -5,25 +5,18 @@ use flotilla_proto::v1 as pb;
 
 use crate::sync::{Key, applied_hash, is_managed};
 
-pub fn key_pb(key: &Key) -> pb::ObjectKey {
-    pb::ObjectKey {
-        namespace: key.namespace.clone(),
-        name: key.name.clone(),
-    }
-}
-
 /// The report for a MyApp as it stands, or for one that is gone (or no longer managed).
 pub fn status_report(key: &Key, app: Option<&MyApp>) -> pb::StatusReport {
     let Some(app) = app.filter(|a| is_managed(a)) else {
         return pb::StatusReport {
-            key: Some(key_pb(key)),
+            key: Some(key.to_wire()),
             exists: false,
             ..Default::default()
         };
     };
     let status = app.status.clone().unwrap_or_default();
     pb::StatusReport {
-        key: Some(key_pb(key)),
+        key: Some(key.to_wire()),
         hash: applied_hash(app),
         exists: true,
         ready: status.ready,
@@ -50,10 +43,7 @@ mod tests {
     use flotilla_crds::MyAppStatus;
 
     fn key() -> Key {
-        Key {
-            namespace: "ns".into(),
-            name: "a".into(),
-        }
+        Key::new("ns", "a")
     }
 
     fn managed(labels: &str) -> MyApp {

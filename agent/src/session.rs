@@ -1,42 +1,52 @@
 //! Session: the agent's stream with the hub.
 //!
 //! Dials out (the hub never needs credentials for this cluster), says Hello with the hash
-//! of every MyApp it manages, carries Apply/Delete/SyncComplete into `sync`, and reports
-//! status changes and heartbeats back. On any failure it dials again with jittered
-//! exponential backoff; what it applied keeps running meanwhile (nothing is deleted on
-//! disconnect).
+//! of every MyApp it manages as the apiserver lists them, carries Apply/Delete/SyncComplete
+//! into `sync`, retries what failed with backoff, and reports status changes and
+//! heartbeats back. On any failure it dials again with jittered exponential backoff,
+//! reading the token file anew each time so a rotated token needs no restart; what it
+//! applied keeps running meanwhile (nothing is deleted on disconnect).
+//!
+//! After SyncComplete it collects only MyApps that this session's Hello listed, and only
+//! when they are at most `max_collect_share` of them: a larger collection is held until a
+//! user confirms it on the hub (the circuit breaker).
 
 use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use backon::{BackoffBuilder, ExponentialBuilder};
 use flotilla_crds::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
-use flotilla_proto::v1::federation_client::FederationClient;
+use flotilla_proto::client::{self, Dial, DialError};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::Namespace;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
-use kube::{Api, Client};
+use kube::{Api, Client, ResourceExt};
+use parking_lot::Mutex;
 use tokio::sync::{broadcast, mpsc};
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 use tracing::{debug, info, warn};
 
-use crate::report::{key_pb, status_report};
-use crate::sync::{Key, Sync, applied_hash, key_of};
+use crate::report::status_report;
+use crate::sync::{Key, Sync, SyncError, applied_hash, key_of};
 
 pub struct SessionConfig {
     /// `https://host:port` of the hub's gRPC endpoint.
     pub hub: String,
     pub cluster: String,
-    /// `<cluster>.<secret>`, from `flotilla-hub join`.
-    pub token: String,
+    /// Holds `<cluster>.<secret>` from `flotilla-hub join`; read before every dial.
+    pub token_file: PathBuf,
     /// PEM of the CA that signed the hub's certificate.
     pub ca_pem: Vec<u8>,
     /// The name to verify the hub's certificate against, if not the URL's host.
     pub server_name: Option<String>,
     pub heartbeat: Duration,
+    /// The largest share (0–1) of the MyApps listed in Hello that one SyncComplete may
+    /// collect without a confirmation.
+    pub max_collect_share: f64,
 }
 
 /// The MyApps this agent manages, cached, with a feed of the keys that changed.
@@ -72,17 +82,27 @@ pub fn watch_managed(client: Client) -> (Managed, impl std::future::Future<Outpu
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
-    #[error("connecting to the hub at {hub}: {source}")]
-    Connect {
-        hub: String,
-        source: tonic::transport::Error,
+    #[error(transparent)]
+    Dial(#[from] DialError),
+    #[error("reading the token file {path}: {source}")]
+    Token {
+        path: PathBuf,
+        source: std::io::Error,
     },
-    #[error("the hub refused the session: {0}")]
-    Refused(tonic::Status),
+    #[error("listing this cluster's managed MyApps for Hello: {0}")]
+    List(kube::Error),
     #[error("the stream broke: {0}")]
     Stream(tonic::Status),
-    #[error("invalid configuration: {0}")]
-    Config(String),
+}
+
+/// Reconnect delays: 200 ms doubling to 30 s, with jitter so that agents restarted
+/// together do not reconnect together.
+fn reconnect_backoff() -> ExponentialBuilder {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(200))
+        .with_max_delay(Duration::from_secs(30))
+        .with_jitter()
+        .without_max_times()
 }
 
 /// Dials the hub again and again until `shutdown`.
@@ -93,7 +113,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let sync = Arc::new(Sync::new(client.clone(), managed.store.clone()));
-    let mut backoff = Backoff::default();
+    let mut backoff = reconnect_backoff().build();
     loop {
         let started = Instant::now();
         let result = tokio::select! {
@@ -105,9 +125,9 @@ pub async fn run(
             Err(e) => warn!(error = %e, "session with the hub failed"),
         }
         if started.elapsed() > Duration::from_secs(30) {
-            backoff = Backoff::default();
+            backoff = reconnect_backoff().build();
         }
-        let delay = backoff.next();
+        let delay = backoff.next().unwrap_or(Duration::from_secs(30));
         debug!(?delay, "reconnecting");
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -116,21 +136,73 @@ pub async fn run(
     }
 }
 
-/// Exponential backoff from 200 ms to 30 s, with jitter so that agents restarted
-/// together do not reconnect together.
-#[derive(Default)]
-struct Backoff {
-    attempt: u32,
+/// What the hub asked for a MyApp, kept while it fails so that it can be retried.
+#[derive(Clone)]
+enum Wanted {
+    Apply { manifest: bytes::Bytes },
+    Delete { orphan: bool },
 }
 
-impl Backoff {
-    fn next(&mut self) -> Duration {
-        let ceiling = Duration::from_millis(200)
-            .saturating_mul(1 << self.attempt.min(8))
-            .min(Duration::from_secs(30));
-        self.attempt += 1;
-        ceiling / 2 + ceiling.mul_f64(rand::random::<f64>() / 2.0)
+struct Failure {
+    wanted: Wanted,
+    error: String,
+    attempts: u32,
+    /// None: retrying the same request cannot help (a manifest the agent refuses).
+    due: Option<Instant>,
+}
+
+/// Failed requests of this session, by MyApp; a newer request for the same MyApp
+/// replaces the failed one.
+#[derive(Default)]
+struct Retries(Mutex<HashMap<Key, Failure>>);
+
+impl Retries {
+    fn failed(&self, key: &Key, wanted: Wanted, error: String, retry: bool) {
+        let mut map = self.0.lock();
+        let attempts = map.get(key).map_or(0, |f| f.attempts) + 1;
+        // 1 s doubling to 5 min: a missing namespace or a webhook that is down heals
+        // by itself, and the retry must not hammer the apiserver meanwhile.
+        let delay = Duration::from_secs(1u64 << attempts.min(9).saturating_sub(1))
+            .min(Duration::from_secs(300));
+        map.insert(
+            key.clone(),
+            Failure {
+                wanted,
+                error,
+                attempts,
+                due: retry.then(|| Instant::now() + delay),
+            },
+        );
     }
+
+    fn clear(&self, key: &Key) {
+        self.0.lock().remove(key);
+    }
+
+    fn error(&self, key: &Key) -> Option<String> {
+        self.0.lock().get(key).map(|f| f.error.clone())
+    }
+
+    fn due(&self) -> Vec<(Key, Wanted)> {
+        let now = Instant::now();
+        self.0
+            .lock()
+            .iter()
+            .filter(|(_, f)| f.due.is_some_and(|due| due <= now))
+            .map(|(k, f)| (k.clone(), f.wanted.clone()))
+            .collect()
+    }
+}
+
+/// The UID of `kube-system`: the identity of this physical cluster.
+async fn cluster_uid(client: &Client) -> String {
+    Api::<Namespace>::all(client.clone())
+        .get_opt("kube-system")
+        .await
+        .ok()
+        .flatten()
+        .and_then(|ns| ns.uid())
+        .unwrap_or_default()
 }
 
 async fn one_session(
@@ -139,117 +211,116 @@ async fn one_session(
     managed: &Managed,
     sync: &Sync,
 ) -> Result<(), SessionError> {
-    let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(&config.ca_pem));
-    if let Some(name) = &config.server_name {
-        tls = tls.domain_name(name.clone());
-    }
-    let connect = |source| SessionError::Connect {
-        hub: config.hub.clone(),
-        source,
-    };
-    let channel = Endpoint::from_shared(config.hub.clone())
-        .map_err(|e| SessionError::Config(format!("hub address {:?}: {e}", config.hub)))?
-        .tls_config(tls)
-        .map_err(connect)?
-        .connect_timeout(Duration::from_secs(5))
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(20))
-        .connect()
+    let token = tokio::fs::read_to_string(&config.token_file)
         .await
-        .map_err(connect)?;
-    let bearer: tonic::metadata::MetadataValue<_> = format!("Bearer {}", config.token)
-        .parse()
-        .map_err(|_| SessionError::Config("the token is not a valid header value".into()))?;
-    let mut hub =
-        FederationClient::with_interceptor(channel, move |mut request: tonic::Request<()>| {
-            request
-                .metadata_mut()
-                .insert("authorization", bearer.clone());
-            Ok(request)
-        });
-
+        .map_err(|source| SessionError::Token {
+            path: config.token_file.clone(),
+            source,
+        })?;
+    let mut hub = client::connect(&Dial {
+        hub: config.hub.clone(),
+        ca_pem: config.ca_pem.clone(),
+        server_name: config.server_name.clone(),
+        token: token.trim().to_owned(),
+        keepalive: Duration::from_secs(10),
+        keepalive_timeout: Duration::from_secs(10),
+    })
+    .await?;
     let _ = managed.store.wait_until_ready().await;
     let kubernetes_version = client
         .apiserver_version()
         .await
         .map(|v| v.git_version)
         .unwrap_or_default();
-    let (tx, rx) = mpsc::channel(256);
-    // Subscribed before the snapshot in Hello, so that no change falls between them.
+    // Subscribed before the list in Hello, so that no change falls between them.
     let changes = managed.changes.subscribe();
+    let listed = sync.list_managed().await.map_err(SessionError::List)?;
     let hello = pb::Hello {
         cluster: config.cluster.clone(),
         agent_version: env!("CARGO_PKG_VERSION").into(),
         kubernetes_version,
-        managed: managed
-            .store
-            .state()
+        managed: listed
             .iter()
             .map(|a| pb::Managed {
-                key: Some(key_pb(&key_of(a))),
+                key: Some(key_of(a).to_wire()),
                 hash: applied_hash(a),
             })
             .collect(),
+        cluster_uid: cluster_uid(client).await,
     };
-    let hello_count = hello.managed.len();
-    let _ = tx.send(agent(agent_message::Kind::Hello(hello))).await;
-    let mut inbound = hub
-        .session(ReceiverStream::new(rx))
-        .await
-        .map_err(SessionError::Refused)?
-        .into_inner();
-    info!(hub = %config.hub, cluster = %config.cluster, managed = hello_count, "connected to the hub");
+    let listed: HashSet<Key> = listed.iter().map(key_of).collect();
+    let (tx, mut inbound) = client::open_session(&mut hub, hello, 256).await?;
+    info!(hub = %config.hub, cluster = %config.cluster, managed = listed.len(), "connected to the hub");
 
+    let retries = Arc::new(Retries::default());
+    let (touched, touched_rx) = mpsc::unbounded_channel();
     let reporter = tokio::spawn(report_loop(
         managed.store.clone(),
         changes,
+        touched_rx,
+        retries.clone(),
         tx.clone(),
         config.heartbeat,
     ));
+    let breaker = Breaker {
+        listed,
+        max_share: config.max_collect_share,
+    };
+    let handler = Handler {
+        sync,
+        retries: &retries,
+        touched: &touched,
+    };
+    let mut retry_tick = tokio::time::interval(Duration::from_secs(1));
     let result = async {
-        while let Some(message) = inbound.message().await.map_err(SessionError::Stream)? {
+        loop {
+            let message = tokio::select! {
+                m = inbound.message() => m.map_err(SessionError::Stream)?,
+                _ = retry_tick.tick() => {
+                    for (key, wanted) in retries.due() {
+                        handler.carry_out(&key, wanted).await;
+                    }
+                    continue;
+                }
+            };
+            let Some(message) = message else { break };
             match message.kind {
                 Some(hub_message::Kind::Apply(apply)) => {
-                    let Some(key) = key(apply.key) else { continue };
-                    if let Err(e) = sync.apply(&key, &apply.manifest).await {
-                        warn!(app = %key, error = %e, "apply failed");
-                        let mut report =
-                            status_report(&key, current(&managed.store, &key).as_deref());
-                        report.apply_error = e.to_string();
-                        report.hash = apply.hash;
-                        let _ = tx.send(agent(agent_message::Kind::Status(report))).await;
-                    }
+                    let Some(key) = Key::from_wire(apply.key) else { continue };
+                    let wanted = Wanted::Apply { manifest: apply.manifest };
+                    handler.carry_out(&key, wanted).await;
                 }
                 Some(hub_message::Kind::Delete(delete)) => {
-                    let Some(key) = key(delete.key) else { continue };
-                    let done = if delete.orphan {
-                        sync.release(&key).await
-                    } else {
-                        sync.delete(&key).await
-                    };
-                    report_removal(
-                        &tx,
-                        &key,
-                        done,
-                        if delete.orphan { "released" } else { "deleted" },
-                    )
-                    .await;
+                    let Some(key) = Key::from_wire(delete.key) else { continue };
+                    handler.carry_out(&key, Wanted::Delete { orphan: delete.orphan }).await;
                 }
                 Some(hub_message::Kind::SyncComplete(complete)) => {
                     let desired: HashSet<Key> = complete
                         .desired
                         .into_iter()
-                        .filter_map(|k| key(Some(k)))
+                        .filter_map(|k| Key::from_wire(Some(k)))
                         .collect();
-                    let orphans = sync.orphans(&desired);
-                    info!(
-                        desired = desired.len(),
-                        orphans = orphans.len(),
-                        "initial sync complete"
-                    );
+                    let orphans = breaker.orphans(&managed.store, &desired);
+                    info!(desired = desired.len(), orphans = orphans.len(), "initial sync complete");
+                    if !breaker.allows(orphans.len(), complete.confirmed_collection) {
+                        warn!(
+                            would_collect = orphans.len(),
+                            managed = breaker.listed.len(),
+                            max_share = breaker.max_share,
+                            "circuit breaker: not collecting orphans; confirm on the hub with `kubectl annotate membercluster {} flotilla.io/confirm-collection={}`",
+                            config.cluster,
+                            orphans.len()
+                        );
+                        let blocked = pb::CollectionBlocked {
+                            would_collect: orphans.len() as u32,
+                            managed: breaker.listed.len() as u32,
+                        };
+                        let _ = tx.send(agent(agent_message::Kind::CollectionBlocked(blocked))).await;
+                        continue;
+                    }
                     for orphan in orphans {
-                        let done = sync.delete(&orphan).await;
-                        report_removal(&tx, &orphan, done, "deleted as an orphan").await;
+                        info!(app = %orphan, "collecting an orphan the hub no longer wants");
+                        handler.carry_out(&orphan, Wanted::Delete { orphan: false }).await;
                     }
                 }
                 None => {}
@@ -262,34 +333,65 @@ async fn one_session(
     result
 }
 
-async fn report_removal(
-    tx: &mpsc::Sender<pb::AgentMessage>,
-    key: &Key,
-    done: Result<(), crate::sync::SyncError>,
-    what: &str,
-) {
-    let mut report = status_report(key, None);
-    match done {
-        Ok(()) => info!(app = %key, "{what}"),
-        Err(e) => {
-            warn!(app = %key, error = %e, "removal failed");
-            report.exists = true;
-            report.apply_error = e.to_string();
-        }
+/// Orphan collection: what may be collected, and how much at once.
+struct Breaker {
+    /// The MyApps this session's Hello listed: nothing else is ever collected.
+    listed: HashSet<Key>,
+    max_share: f64,
+}
+
+impl Breaker {
+    fn orphans(&self, store: &Store<MyApp>, desired: &HashSet<Key>) -> Vec<Key> {
+        let mut orphans: Vec<Key> = store
+            .state()
+            .iter()
+            .map(|a| key_of(a))
+            .filter(|k| self.listed.contains(k) && !desired.contains(k))
+            .collect();
+        orphans.sort();
+        orphans
     }
-    let _ = tx.send(agent(agent_message::Kind::Status(report))).await;
+
+    fn allows(&self, orphans: usize, confirmed: u32) -> bool {
+        orphans as f64 <= self.max_share * self.listed.len() as f64 || orphans <= confirmed as usize
+    }
+}
+
+struct Handler<'a> {
+    sync: &'a Sync,
+    retries: &'a Retries,
+    /// Keys whose report must be recomputed (a failure began or ended).
+    touched: &'a mpsc::UnboundedSender<Key>,
+}
+
+impl Handler<'_> {
+    /// Does what the hub asked; a failure is reported and retried with backoff until it
+    /// succeeds or the hub asks for something else.
+    async fn carry_out(&self, key: &Key, wanted: Wanted) {
+        self.retries.clear(key);
+        let done = match &wanted {
+            Wanted::Apply { manifest, .. } => self.sync.apply(key, manifest).await,
+            Wanted::Delete { orphan: true } => self.sync.release(key).await,
+            Wanted::Delete { orphan: false } => self.sync.delete(key).await,
+        };
+        match done {
+            Ok(()) => debug!(app = %key, "done"),
+            Err(e @ SyncError::BadManifest { .. }) => {
+                // Retrying the same bytes cannot help: reported, not retried.
+                warn!(app = %key, error = %e, "refused");
+                self.retries.failed(key, wanted, e.to_string(), false);
+            }
+            Err(e) => {
+                warn!(app = %key, error = %e, "failed; will retry");
+                self.retries.failed(key, wanted, e.to_string(), true);
+            }
+        }
+        let _ = self.touched.send(key.clone());
+    }
 }
 
 fn current(store: &Store<MyApp>, key: &Key) -> Option<Arc<MyApp>> {
     store.get(&ObjectRef::new(&key.name).within(&key.namespace))
-}
-
-fn key(k: Option<pb::ObjectKey>) -> Option<Key> {
-    k.filter(|k| !k.namespace.is_empty() && !k.name.is_empty())
-        .map(|k| Key {
-            namespace: k.namespace,
-            name: k.name,
-        })
 }
 
 fn agent(kind: agent_message::Kind) -> pb::AgentMessage {
@@ -297,10 +399,13 @@ fn agent(kind: agent_message::Kind) -> pb::AgentMessage {
 }
 
 /// Sends every managed MyApp's status once, then each change, and a heartbeat every
-/// `heartbeat`; a report equal to the last one sent is not sent again.
+/// `heartbeat`; a report equal to the last one sent is not sent again. A report carries
+/// the error of a failing request for its MyApp until that request succeeds.
 async fn report_loop(
     store: Store<MyApp>,
     mut changes: broadcast::Receiver<Key>,
+    mut touched: mpsc::UnboundedReceiver<Key>,
+    retries: Arc<Retries>,
     tx: mpsc::Sender<pb::AgentMessage>,
     heartbeat: Duration,
 ) {
@@ -309,7 +414,10 @@ async fn report_loop(
     let mut tick = tokio::time::interval(heartbeat);
     loop {
         for key in keys.drain(..) {
-            let report = status_report(&key, current(&store, &key).as_deref());
+            let mut report = status_report(&key, current(&store, &key).as_deref());
+            if let Some(error) = retries.error(&key) {
+                report.apply_error = error;
+            }
             if sent.get(&key) != Some(&report) {
                 sent.insert(key, report.clone());
                 if tx
@@ -327,6 +435,7 @@ async fn report_loop(
                     return;
                 }
             }
+            Some(key) = touched.recv() => keys.push(key),
             change = changes.recv() => match change {
                 Ok(key) => keys.push(key),
                 // Fell behind: resend whatever differs.
@@ -342,23 +451,60 @@ mod tests {
     use super::*;
 
     #[test]
-    fn backoff_grows_with_jitter_and_is_capped() {
-        let mut b = Backoff::default();
-        let first = b.next();
+    fn reconnect_backoff_grows_with_jitter_and_is_capped() {
+        let mut b = reconnect_backoff().build();
+        let first = b.next().unwrap();
         assert!(
-            first >= Duration::from_millis(100) && first <= Duration::from_millis(200),
+            first >= Duration::from_millis(200) && first <= Duration::from_millis(400),
             "{first:?}"
         );
-        for _ in 0..20 {
-            let d = b.next();
-            assert!(
-                d <= Duration::from_secs(30) && d >= Duration::from_millis(100),
-                "{d:?}"
-            );
-        }
+        let later: Vec<Duration> = b.take(30).collect();
+        assert_eq!(later.len(), 30, "never gives up");
         assert!(
-            b.next() >= Duration::from_secs(15),
-            "capped at 30s, jitter at most halves it"
+            later.iter().all(|d| *d <= Duration::from_secs(60)),
+            "{later:?}"
+        );
+        assert!(later.last().unwrap() >= &Duration::from_secs(30));
+    }
+
+    #[test]
+    fn the_breaker_allows_a_share_or_a_confirmed_count() {
+        let keys = |n: usize| (0..n).map(|i| Key::new("ns", format!("a{i}"))).collect();
+        let b = Breaker {
+            listed: keys(10),
+            max_share: 0.5,
+        };
+        assert!(b.allows(0, 0));
+        assert!(b.allows(5, 0));
+        assert!(!b.allows(6, 0));
+        assert!(b.allows(6, 6), "a user confirmed exactly this many");
+        assert!(!b.allows(7, 6));
+        let empty = Breaker {
+            listed: keys(0),
+            max_share: 0.5,
+        };
+        assert!(empty.allows(0, 0));
+    }
+
+    #[test]
+    fn failures_back_off_and_a_new_request_replaces_them() {
+        let r = Retries::default();
+        let k = Key::new("ns", "a");
+        r.failed(&k, Wanted::Delete { orphan: false }, "boom".into(), true);
+        assert_eq!(r.error(&k).as_deref(), Some("boom"));
+        assert!(r.due().is_empty(), "not due before its delay");
+        r.clear(&k);
+        assert_eq!(r.error(&k), None);
+        r.failed(
+            &k,
+            Wanted::Delete { orphan: true },
+            "bad manifest".into(),
+            false,
+        );
+        assert_eq!(r.error(&k).as_deref(), Some("bad manifest"));
+        assert!(
+            r.0.lock()[&k].due.is_none(),
+            "refused requests are not retried"
         );
     }
 }

@@ -2,31 +2,20 @@
 //!
 //! MyApps are written by server-side apply under the agent's own field manager and carry
 //! the `app.kubernetes.io/managed-by: flotilla` label. The agent deletes a MyApp only when
-//! the hub says so, or after SyncComplete when it manages it and the hub no longer wants
-//! it; a MyApp without the label is never touched.
+//! the hub says so, or after SyncComplete when it manages it, listed it in this session's
+//! Hello, and the hub no longer wants it; a MyApp without the label is never touched.
+//! "Gone" is only ever said after the apiserver confirmed it, never from a cache miss.
 
-use std::collections::HashSet;
+use std::sync::Arc;
 
 use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+pub use flotilla_proto::AppKey as Key;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
 pub const FIELD_MANAGER: &str = "flotilla-agent";
-
-/// A MyApp's namespace and name.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Key {
-    pub namespace: String,
-    pub name: String,
-}
-
-impl std::fmt::Display for Key {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
@@ -34,6 +23,8 @@ pub enum SyncError {
     BadManifest { key: Key, reason: String },
     #[error("a MyApp {key} exists that Flotilla does not manage; it is left alone")]
     NotManaged { key: Key },
+    #[error("MyApp {key} was replaced while it was being deleted; retrying")]
+    Replaced { key: Key },
     #[error("{action} MyApp {key}: {source}")]
     Api {
         action: &'static str,
@@ -49,10 +40,7 @@ pub fn is_managed(app: &MyApp) -> bool {
 }
 
 pub fn key_of(app: &MyApp) -> Key {
-    Key {
-        namespace: app.namespace().unwrap_or_default(),
-        name: app.name_any(),
-    }
+    Key::new(app.namespace().unwrap_or_default(), app.name_any())
 }
 
 /// The applied content hash of a managed MyApp.
@@ -137,33 +125,69 @@ impl Sync {
         })
     }
 
-    /// Deletes a managed MyApp; its UID is a precondition, so a MyApp recreated by
-    /// someone else meanwhile is not deleted.
-    pub async fn delete(&self, key: &Key) -> Result<(), SyncError> {
-        let Some(app) = self.get_managed(key) else {
-            return Ok(());
-        };
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: app.uid(),
-                resource_version: None,
-            }),
-            ..Default::default()
-        };
-        match self.api(&key.namespace).delete(&key.name, &params).await {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(()),
+    /// Every managed MyApp as the apiserver has it now (not the cache): what Hello
+    /// lists, so that the hub takes nothing for absent that exists.
+    pub async fn list_managed(&self) -> Result<Vec<MyApp>, kube::Error> {
+        let params =
+            ListParams::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
+        Ok(Api::<MyApp>::all(self.client.clone())
+            .list(&params)
+            .await?
+            .items)
+    }
+
+    /// The managed MyApp at `key`, from the cache or, on a miss or when `fresh`, from
+    /// the apiserver: a MyApp applied a moment ago may not have reached the cache yet.
+    async fn find_managed(&self, key: &Key, fresh: bool) -> Result<Option<Arc<MyApp>>, SyncError> {
+        if !fresh && let Some(app) = self.get_managed(key) {
+            return Ok(Some(app));
+        }
+        match self.api(&key.namespace).get_opt(&key.name).await {
+            Ok(app) => Ok(app.filter(is_managed).map(Arc::new)),
             Err(source) => Err(SyncError::Api {
-                action: "deleting",
+                action: "reading",
                 key: key.clone(),
                 source,
             }),
         }
     }
 
+    /// Deletes a managed MyApp; its UID is a precondition, so a MyApp recreated by
+    /// someone else meanwhile is not deleted. Ok means the apiserver confirmed it gone.
+    pub async fn delete(&self, key: &Key) -> Result<(), SyncError> {
+        let api = self.api(&key.namespace);
+        // Twice at most: a conflict means the cached MyApp was replaced since; the second
+        // try reads the apiserver.
+        for fresh in [false, true] {
+            let Some(app) = self.find_managed(key, fresh).await? else {
+                return Ok(());
+            };
+            let params = DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: app.uid(),
+                    resource_version: None,
+                }),
+                ..Default::default()
+            };
+            match api.delete(&key.name, &params).await {
+                Ok(_) => return Ok(()),
+                Err(kube::Error::Api(e)) if e.code == 404 => return Ok(()),
+                Err(kube::Error::Api(e)) if e.code == 409 => continue,
+                Err(source) => {
+                    return Err(SyncError::Api {
+                        action: "deleting",
+                        key: key.clone(),
+                        source,
+                    });
+                }
+            }
+        }
+        Err(SyncError::Replaced { key: key.clone() })
+    }
+
     /// Stops managing a MyApp but leaves it running (`kubefed.io/orphan`).
     pub async fn release(&self, key: &Key) -> Result<(), SyncError> {
-        if self.get_managed(key).is_none() {
+        if self.find_managed(key, false).await?.is_none() {
             return Ok(());
         }
         let patch = json!({"metadata": {"labels": {MANAGED_BY_LABEL: null}, "annotations": {HASH_ANNOTATION: null}}});
@@ -180,18 +204,5 @@ impl Sync {
                 source,
             }),
         }
-    }
-
-    /// Managed MyApps the hub no longer wants.
-    pub fn orphans(&self, desired: &HashSet<Key>) -> Vec<Key> {
-        let mut orphans: Vec<Key> = self
-            .managed
-            .state()
-            .iter()
-            .map(|a| key_of(a))
-            .filter(|k| !desired.contains(k))
-            .collect();
-        orphans.sort();
-        orphans
     }
 }

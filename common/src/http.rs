@@ -3,13 +3,14 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use parking_lot::Mutex;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
@@ -39,11 +40,8 @@ impl Readiness {
             .collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, bool>> {
-        // A panic elsewhere while holding the lock leaves a plain map behind: keep using it.
-        self.gates
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, BTreeMap<String, bool>> {
+        self.gates.lock()
     }
 }
 
@@ -55,6 +53,11 @@ pub struct Gate {
 impl Gate {
     pub fn open(&self) {
         self.readiness.lock().insert(self.name.clone(), true);
+    }
+
+    /// Closes the gate again (a hub that stopped leading, say).
+    pub fn close(&self) {
+        self.readiness.lock().insert(self.name.clone(), false);
     }
 }
 
@@ -122,5 +125,7 @@ mod tests {
         assert_eq!(readiness.waiting(), ["webhook"]);
         webhook.open();
         assert!(readiness.waiting().is_empty());
+        operator.close();
+        assert_eq!(readiness.waiting(), ["operator"]);
     }
 }

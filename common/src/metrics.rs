@@ -23,6 +23,12 @@ struct ResultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabels {
+    controller: String,
+    error: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct QueueLabels {
     name: String,
 }
@@ -31,7 +37,7 @@ struct QueueLabels {
 pub struct Metrics {
     registry: Registry,
     reconciles: Family<ResultLabels, Counter>,
-    errors: Family<ControllerLabels, Counter>,
+    errors: Family<ErrorLabels, Counter>,
     duration: Family<ControllerLabels, Histogram>,
     depth: Family<QueueLabels, Gauge>,
 }
@@ -40,7 +46,7 @@ impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::default();
         let reconciles = Family::<ResultLabels, Counter>::default();
-        let errors = Family::<ControllerLabels, Counter>::default();
+        let errors = Family::<ErrorLabels, Counter>::default();
         let duration = Family::<ControllerLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.005, 2.0, 12))
         });
@@ -92,7 +98,9 @@ impl Metrics {
         out
     }
 
-    /// Starts timing one reconcile of `controller`; finish it with [`Reconcile::done`].
+    /// Starts timing one reconcile of `controller`. It is recorded when the returned
+    /// guard drops: as a success, as an error of the kind given to [`Reconcile::failed`],
+    /// or as `cancelled` when the reconcile future was dropped before it finished.
     pub fn reconcile(self: &Arc<Self>, controller: &str) -> Reconcile {
         let labels = QueueLabels {
             name: controller.to_string(),
@@ -102,44 +110,58 @@ impl Metrics {
             metrics: self.clone(),
             controller: controller.to_string(),
             start: Instant::now(),
+            outcome: None,
         }
     }
 }
 
-/// One reconcile in flight. Dropping it without [`Reconcile::done`] (a cancelled future)
-/// still releases the depth gauge.
+/// One reconcile in flight.
 pub struct Reconcile {
     metrics: Arc<Metrics>,
     controller: String,
     start: Instant,
+    outcome: Option<Result<(), &'static str>>,
 }
 
 impl Reconcile {
-    pub fn done(self, ok: bool) {
+    pub fn succeeded(&mut self) {
+        self.outcome = Some(Ok(()));
+    }
+
+    /// `kind` names the class of error (a short snake_case word), as a label.
+    pub fn failed(&mut self, kind: &'static str) {
+        self.outcome = Some(Err(kind));
+    }
+}
+
+impl Drop for Reconcile {
+    fn drop(&mut self) {
         let m = &self.metrics;
-        let controller = ControllerLabels {
-            controller: self.controller.clone(),
+        let result = match self.outcome {
+            Some(Ok(())) => "success",
+            Some(Err(_)) => "error",
+            None => "cancelled",
         };
-        let result = if ok { "success" } else { "error" };
         m.reconciles
             .get_or_create(&ResultLabels {
                 controller: self.controller.clone(),
                 result,
             })
             .inc();
-        if !ok {
-            m.errors.get_or_create(&controller).inc();
+        if let Some(Err(error)) = self.outcome {
+            m.errors
+                .get_or_create(&ErrorLabels {
+                    controller: self.controller.clone(),
+                    error,
+                })
+                .inc();
         }
         m.duration
-            .get_or_create(&controller)
+            .get_or_create(&ControllerLabels {
+                controller: self.controller.clone(),
+            })
             .observe(self.start.elapsed().as_secs_f64());
-    }
-}
-
-impl Drop for Reconcile {
-    fn drop(&mut self) {
-        self.metrics
-            .depth
+        m.depth
             .get_or_create(&QueueLabels {
                 name: self.controller.clone(),
             })
@@ -154,8 +176,8 @@ mod tests {
     #[test]
     fn exposes_controller_runtime_names() {
         let metrics = Arc::new(Metrics::default());
-        metrics.reconcile("myapp").done(true);
-        metrics.reconcile("myapp").done(false);
+        metrics.reconcile("myapp").succeeded();
+        metrics.reconcile("myapp").failed("apply");
         let pending = metrics.reconcile("myapp");
         let text = metrics.encode();
         assert!(
@@ -167,9 +189,9 @@ mod tests {
         assert!(text.contains(
             r#"controller_runtime_reconcile_total{controller="myapp",result="error"} 1"#
         ));
-        assert!(
-            text.contains(r#"controller_runtime_reconcile_errors_total{controller="myapp"} 1"#)
-        );
+        assert!(text.contains(
+            r#"controller_runtime_reconcile_errors_total{controller="myapp",error="apply"} 1"#
+        ));
         assert!(
             text.contains(
                 r#"controller_runtime_reconcile_time_seconds_count{controller="myapp"} 2"#
@@ -177,10 +199,13 @@ mod tests {
         );
         assert!(text.contains(r#"workqueue_depth{name="myapp"} 1"#));
         drop(pending);
+        let text = metrics.encode();
+        assert!(text.contains(r#"workqueue_depth{name="myapp"} 0"#));
         assert!(
-            metrics
-                .encode()
-                .contains(r#"workqueue_depth{name="myapp"} 0"#)
+            text.contains(
+                r#"controller_runtime_reconcile_total{controller="myapp",result="cancelled"} 1"#
+            ),
+            "a reconcile dropped before it finished is still counted"
         );
     }
 }

@@ -42,4 +42,14 @@ pub struct MemberClusterStatus {
     pub agent_version: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kubernetes_version: Option<String>,
+    /// UID of the member's `kube-system` namespace, pinned by the first agent that
+    /// connects: the credential is bound to that physical cluster, and an agent running
+    /// anywhere else is refused. Clear it (with `kubectl edit --subresource=status`) to
+    /// move the registration to a rebuilt cluster.
+    #[serde(
+        default,
+        rename = "clusterUID",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub cluster_uid: Option<String>,
 }

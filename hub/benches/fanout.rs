@@ -11,20 +11,21 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flotilla_crds::{FederatedMyApp, MemberCluster};
+use flotilla_hub::auth::token_sha256;
 use flotilla_hub::dispatch::Dispatcher;
 use flotilla_hub::index::{AppKey, Desired};
 use flotilla_hub::membership::Membership;
 use flotilla_hub::placement::Members;
-use flotilla_hub::server::{FederationService, token_sha256};
+use flotilla_hub::server::FederationService;
 use flotilla_hub::status::StatusBoard;
-use flotilla_proto::v1::federation_client::FederationClient;
+use flotilla_proto::client::{self, Dial};
 use flotilla_proto::v1::federation_server::{Federation, FederationServer};
-use flotilla_proto::v1::{self as pb, agent_message, hub_message};
+use flotilla_proto::v1::{self as pb, hub_message};
 use kube::runtime::reflector;
 use kube::runtime::watcher;
 use serde_json::json;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, Server, ServerTlsConfig};
+use tonic::transport::{Identity, Server, ServerTlsConfig};
 use tonic::{Request, Response, Status, Streaming};
 
 fn tls() -> flotilla_common::tls::SelfSigned {
@@ -46,37 +47,21 @@ async fn serve<S: Federation>(service: S, tls: &flotilla_common::tls::SelfSigned
 
 /// One agent: Hello, then counts Apply messages until SyncComplete.
 async fn agent(addr: SocketAddr, ca: String, cluster: String, token: String) -> usize {
-    let channel = Endpoint::from_shared(format!("https://{addr}"))
-        .unwrap()
-        .tls_config(
-            ClientTlsConfig::new()
-                .ca_certificate(Certificate::from_pem(ca))
-                .domain_name("localhost"),
-        )
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let bearer: tonic::metadata::MetadataValue<_> = format!("Bearer {token}").parse().unwrap();
-    let mut client = FederationClient::with_interceptor(channel, move |mut r: Request<()>| {
-        r.metadata_mut().insert("authorization", bearer.clone());
-        Ok(r)
-    });
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let mut hub = client::connect(&Dial {
+        hub: format!("https://{addr}"),
+        ca_pem: ca.into_bytes(),
+        server_name: Some("localhost".into()),
+        token,
+        keepalive: Duration::from_secs(20),
+        keepalive_timeout: Duration::from_secs(20),
+    })
+    .await
+    .unwrap();
     let hello = pb::Hello {
         cluster,
         ..Default::default()
     };
-    tx.send(pb::AgentMessage {
-        kind: Some(agent_message::Kind::Hello(hello)),
-    })
-    .await
-    .unwrap();
-    let mut inbound = client
-        .session(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (tx, mut inbound) = client::open_session(&mut hub, hello, 4).await.unwrap();
     let mut applies = 0;
     while let Some(m) = inbound.message().await.unwrap() {
         match m.kind {
@@ -181,19 +166,18 @@ fn main() {
                          "overrides": [{"clusterName": names[a % clusters], "clusterOverrides": [{"path": "/spec/replicas", "value": 3}]}]}})).unwrap();
             let rendered = flotilla_hub::render::render(&app, &members).unwrap();
             let plan = rendered.clusters.into_iter().map(|(c, r)| (c, Desired::Apply(Arc::new(r.unwrap())))).collect();
-            dispatcher.set_app(&AppKey::new("default", format!("app{a:05}")), plan);
+            dispatcher.set_app(&AppKey::new("default", format!("app{a:05}")), None, plan);
         }
         let render_time = start.elapsed();
         let pairs = clusters * apps;
         let rss_index = rss_mib() - rss_before;
 
-        let (_ready_tx, ready) = tokio::sync::watch::channel(true);
+        dispatcher.planned_for(names.iter().cloned().collect());
         let service = FederationService {
             dispatcher: dispatcher.clone(),
             status: Arc::new(StatusBoard::default()),
             membership: Arc::new(Membership::new(Duration::from_secs(60))),
             members: store,
-            ready,
         };
         let hub_addr = serve(service, &tls).await;
         let (delivered, hub_time) = run_agents(hub_addr, &tls, &tokens).await;

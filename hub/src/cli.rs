@@ -216,21 +216,14 @@ const JOIN_MANAGER: &str = "flotilla-hub-join";
 
 /// Creates or updates the MemberCluster with a fresh token; only its hash is stored.
 pub async fn join(args: &JoinArgs) -> anyhow::Result<()> {
-    use base64::Engine;
     use kube::api::{Api, Patch, PatchParams};
-    let mut secret = [0u8; 32];
-    rand::fill(&mut secret);
-    let token = format!(
-        "{}.{}",
-        args.name,
-        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(secret)
-    );
+    let token = crate::auth::issue(&args.name);
     let labels: std::collections::BTreeMap<_, _> = args.labels.iter().cloned().collect();
     let member = serde_json::json!({
         "apiVersion": "core.kubefed.io/v1beta1",
         "kind": "MemberCluster",
         "metadata": {"name": args.name, "labels": labels},
-        "spec": {"tokenSha256": crate::server::token_sha256(&token)},
+        "spec": {"tokenSha256": crate::auth::token_sha256(&token)},
     });
     let client = kube::Client::try_default()
         .await

@@ -1,24 +1,34 @@
 //! Controller: reconciles each FederatedMyApp into the index (placement, render), keeps
-//! the finalizer, publishes Events, and re-renders every app when the set of registered
-//! clusters or their labels change.
+//! the finalizer, publishes Events, and plans every app again when the registered
+//! clusters change.
+//!
+//! Nothing is planned before both stores (FederatedMyApps and MemberClusters) have
+//! listed: a plan made from a partial list would tell agents to delete what is wanted.
+//! The first full pass opens the gate for reconciles and for agents.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use flotilla_common::http::Gate;
 use flotilla_common::metrics::Metrics;
 use flotilla_crds::federated::ORPHAN_ANNOTATION;
 use flotilla_crds::{FederatedMyApp, MemberCluster};
+use futures::{Stream, StreamExt, TryStreamExt};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::Store;
+use kube::runtime::{Controller, WatchStreamExt, predicates, watcher};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::dispatch::Dispatcher;
 use crate::index::{AppKey, Desired};
+use crate::membership::registered;
 use crate::placement::Members;
 use crate::render::{self, ClusterError};
 use crate::status::{Outcome, Plan, StatusBoard};
@@ -34,14 +44,29 @@ pub struct Context {
     pub dispatcher: Arc<Dispatcher>,
     pub status: Arc<StatusBoard>,
     pub members: Store<MemberCluster>,
+    pub apps: Store<FederatedMyApp>,
     pub recorder: Recorder,
     pub metrics: Arc<Metrics>,
+    /// True once the first full pass planned every app.
+    pub planned: watch::Receiver<bool>,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("updating the finalizer of {app}: {source}")]
     Finalizer { app: AppKey, source: kube::Error },
+    #[error("the hub is shutting down")]
+    ShuttingDown,
+}
+
+impl Error {
+    /// The error's class, as the `error` label of the errors metric.
+    fn kind(&self) -> &'static str {
+        match self {
+            Error::Finalizer { .. } => "finalizer",
+            Error::ShuttingDown => "shutdown",
+        }
+    }
 }
 
 pub fn key_of(app: &FederatedMyApp) -> AppKey {
@@ -51,14 +76,10 @@ pub fn key_of(app: &FederatedMyApp) -> AppKey {
     )
 }
 
-/// Registered clusters (names and labels), leaving out those being deleted.
-pub fn registered(members: &Store<MemberCluster>) -> Members {
-    members
-        .state()
-        .iter()
-        .filter(|m| m.metadata.deletion_timestamp.is_none())
-        .map(|m| (m.name_any(), m.labels().clone()))
-        .collect()
+fn orphans(app: &FederatedMyApp) -> bool {
+    app.annotations()
+        .get(ORPHAN_ANNOTATION)
+        .is_some_and(|v| v == "true")
 }
 
 /// What each cluster should have, and what status will say about it. Pure.
@@ -99,33 +120,143 @@ pub fn plan_app(app: &FederatedMyApp, members: &Members) -> (Plan, BTreeMap<Stri
     (plan, desired)
 }
 
-/// Renders an app into the index without touching the apiserver: used for the first
-/// pass at start, before agents are let in, and by every reconcile.
-pub fn index_app(app: &FederatedMyApp, ctx: &Context) -> Plan {
+/// Plans one app into the index and the status board, without the apiserver.
+fn index_app(app: &FederatedMyApp, members: &Members, ctx: &Context) -> Plan {
     let key = key_of(app);
-    let (plan, desired) = plan_app(app, &registered(&ctx.members));
-    ctx.dispatcher.set_app(&key, desired);
+    let (plan, desired) = plan_app(app, members);
+    ctx.dispatcher
+        .set_app(&key, app.metadata.generation, desired);
     plan
 }
 
-/// Carries a deletion into the index (pure, like [`index_app`]): returns the clusters
-/// that have not yet confirmed the MyApp is gone, or released with `kubefed.io/orphan`.
-pub fn index_deletion(app: &FederatedMyApp, ctx: &Context) -> (Plan, Vec<String>) {
+/// Carries a deletion into the index (pure, like [`index_app`]): returns the plan with
+/// the clusters that have not yet confirmed the MyApp is gone, or released with
+/// `kubefed.io/orphan`. Only registered clusters are waited for: a cluster named in the
+/// placement that never joined, or that left, holds nothing the hub could ask about.
+fn index_deletion(app: &FederatedMyApp, members: &Members, ctx: &Context) -> Plan {
+    let (plan, desired) = plan_app(app, members);
+    let placed: Vec<String> = desired.into_keys().collect();
+    let waiting = ctx
+        .dispatcher
+        .delete_app(&key_of(app), orphans(app), &placed);
+    Plan {
+        deleting_on: Some(waiting),
+        ..plan
+    }
+}
+
+/// Plans every app for the registered clusters as they are now, then tells the
+/// dispatcher which clusters that was, so that their agents may be admitted.
+pub fn plan_all(ctx: &Context) {
+    let members = registered(&ctx.members);
+    for app in ctx.apps.state() {
+        let plan = match app.metadata.deletion_timestamp {
+            None => index_app(&app, &members, ctx),
+            Some(_) => index_deletion(&app, &members, ctx),
+        };
+        ctx.status.set_plan(&key_of(&app), plan);
+    }
+    ctx.dispatcher
+        .planned_for(members.into_keys().collect::<BTreeSet<_>>());
+}
+
+/// Waits until both stores have listed, plans every app (deletions too: an orphaning
+/// delete must reach agents as a release, never as a missing entry that they would
+/// collect), opens `planned` and `gate`, then plans again on every membership change.
+pub async fn plan_loop(
+    ctx: Arc<Context>,
+    planned: watch::Sender<bool>,
+    gate: Gate,
+    mut members_changed: watch::Receiver<u64>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    tokio::select! {
+        _ = shutdown.cancelled() => return Ok(()),
+        r = async { tokio::try_join!(ctx.apps.wait_until_ready(), ctx.members.wait_until_ready()) } => {
+            r.map_err(|_| anyhow::anyhow!("a store's writer went away before it listed"))?;
+        }
+    }
+    loop {
+        members_changed.borrow_and_update();
+        plan_all(&ctx);
+        if !*planned.borrow() {
+            planned.send_replace(true);
+            gate.open();
+            info!(
+                apps = ctx.apps.state().len(),
+                clusters = ctx.members.state().len(),
+                "every app planned; accepting agents"
+            );
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            changed = members_changed.changed() => changed?,
+        }
+    }
+}
+
+/// Runs the FederatedMyApp controller over `watch` until `shutdown`. Deletions that
+/// bypass the finalizer are carried into the index as they happen.
+pub async fn run(
+    ctx: Arc<Context>,
+    writer: kube::runtime::reflector::store::Writer<FederatedMyApp>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let on_delete = ctx.clone();
+    let events = watched(
+        kube::runtime::reflector(
+            writer,
+            watcher(
+                Api::<FederatedMyApp>::all(ctx.client.clone()),
+                watcher::Config::default(),
+            ),
+        )
+        .default_backoff(),
+        move |app| deleted(app, &on_delete),
+    );
+    Controller::for_stream(events, ctx.apps.clone())
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .run(reconcile, error_policy, ctx)
+        .for_each(|_| async {})
+        .await;
+    if shutdown.is_cancelled() {
+        Ok(())
+    } else {
+        anyhow::bail!("the FederatedMyApp controller ended")
+    }
+}
+
+/// Applied objects whose generation changed, reporting deletions to `on_delete` first.
+fn watched(
+    events: impl Stream<Item = Result<watcher::Event<FederatedMyApp>, watcher::Error>> + Send,
+    on_delete: impl Fn(&FederatedMyApp) + Send + Sync + 'static,
+) -> impl Stream<Item = Result<FederatedMyApp, watcher::Error>> + Send {
+    events
+        .inspect_ok(move |event| {
+            if let watcher::Event::Delete(app) = event {
+                on_delete(app);
+            }
+        })
+        .applied_objects()
+        .predicate_filter(predicates::generation, Default::default())
+}
+
+/// A FederatedMyApp vanished from the host. Through our finalizer that changes nothing;
+/// with the finalizer removed by hand, its MyApps are deleted now (or released, with
+/// `kubefed.io/orphan`) instead of by surprise at the next hub restart.
+fn deleted(app: &FederatedMyApp, ctx: &Context) {
     let key = key_of(app);
-    let orphan = app
-        .annotations()
-        .get(ORPHAN_ANNOTATION)
-        .is_some_and(|v| v == "true");
-    let (plan, _) = plan_app(app, &registered(&ctx.members));
-    let placed: Vec<String> = plan.clusters.keys().cloned().collect();
-    let waiting = ctx.dispatcher.delete_app(&key, orphan, &placed);
-    (plan, waiting)
+    ctx.dispatcher.drop_app(&key, orphans(app));
+    ctx.status.forget(&key);
 }
 
 pub async fn reconcile(app: Arc<FederatedMyApp>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let timer = ctx.metrics.reconcile(CONTROLLER);
+    let mut timer = ctx.metrics.reconcile(CONTROLLER);
     let result = reconcile_app(&app, &ctx).await;
-    timer.done(result.is_ok());
+    match &result {
+        Ok(_) => timer.succeeded(),
+        Err(e) => timer.failed(e.kind()),
+    }
     result
 }
 
@@ -133,22 +264,23 @@ pub async fn reconcile(app: Arc<FederatedMyApp>, ctx: Arc<Context>) -> Result<Ac
 // removes the finalizer whenever cleanup returns Ok, so waiting for agents to confirm
 // would have to be reported as a reconcile error, which feeds the error-rate alert.
 async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Error> {
+    let mut planned = ctx.planned.clone();
+    planned
+        .wait_for(|p| *p)
+        .await
+        .map_err(|_| Error::ShuttingDown)?;
     let key = key_of(app);
     let api: Api<FederatedMyApp> = Api::namespaced(ctx.client.clone(), &key.namespace);
     let has_finalizer = app.finalizers().iter().any(|f| f == FINALIZER);
+    let members = registered(&ctx.members);
     if app.metadata.deletion_timestamp.is_some() {
         if !has_finalizer {
             return Ok(Action::await_change());
         }
-        let (plan, waiting) = index_deletion(app, ctx);
-        if !waiting.is_empty() {
-            ctx.status.set_plan(
-                &key,
-                Plan {
-                    deleting_on: Some(waiting),
-                    ..plan
-                },
-            );
+        let plan = index_deletion(app, &members, ctx);
+        let waiting = !plan.deleting_on.as_ref().is_some_and(Vec::is_empty);
+        ctx.status.set_plan(&key, plan);
+        if waiting {
             return Ok(Action::requeue(DELETION_RECHECK));
         }
         let rest = app
@@ -168,7 +300,7 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
         finalizers.push(FINALIZER.into());
         set_finalizers(&api, app, finalizers).await?;
     }
-    let plan = index_app(app, ctx);
+    let plan = index_app(app, &members, ctx);
     let failures: Vec<(String, String)> = plan
         .clusters
         .iter()

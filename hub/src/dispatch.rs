@@ -5,21 +5,24 @@
 //! of its objects, never by the rate of changes, and never stalls the others. The
 //! session drains its queue into a bounded gRPC stream.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use flotilla_proto::v1::{self as pb, hub_message::Kind};
 use indexmap::IndexMap;
+use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::index::{AppKey, Change, Desired, Index, Push};
+use crate::auth::Identity;
+use crate::index::{AppKey, Change, Desired, Held, Index, Push};
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Slot {
@@ -29,10 +32,9 @@ enum Slot {
 
 /// The pending messages of one agent session.
 pub struct ClusterQueue {
-    pub cluster: String,
-    /// SHA-256 of the credential the session authenticated with, to notice revocation.
-    pub token_hash: String,
+    pub identity: Identity,
     id: u64,
+    since: Instant,
     pending: Mutex<IndexMap<Slot, pb::HubMessage>>,
     notify: Notify,
     /// Fired when the session must end: a newer session of the same cluster, or its
@@ -42,15 +44,22 @@ pub struct ClusterQueue {
 
 impl ClusterQueue {
     fn push(&self, slot: Slot, message: pb::HubMessage) {
-        lock(&self.pending).insert(slot, message);
+        if self.closed.is_cancelled() {
+            return;
+        }
+        self.pending.lock().insert(slot, message);
         self.notify.notify_one();
+    }
+
+    pub fn cluster(&self) -> &str {
+        &self.identity.cluster
     }
 
     /// Waits for pending messages and takes up to `max` of them, oldest first.
     pub async fn next_batch(&self, max: usize) -> Vec<pb::HubMessage> {
         loop {
             {
-                let mut pending = lock(&self.pending);
+                let mut pending = self.pending.lock();
                 if !pending.is_empty() {
                     let n = pending.len().min(max);
                     return pending.drain(..n).map(|(_, m)| m).collect();
@@ -61,7 +70,7 @@ impl ClusterQueue {
     }
 
     pub fn depth(&self) -> usize {
-        lock(&self.pending).len()
+        self.pending.lock().len()
     }
 }
 
@@ -82,6 +91,7 @@ pub struct DispatchMetrics {
     sent: Family<SentLabels, Counter>,
     depth: Family<ClusterLabels, Gauge>,
     pairs: Gauge,
+    blocked: Family<ClusterLabels, Gauge>,
 }
 
 impl DispatchMetrics {
@@ -101,6 +111,11 @@ impl DispatchMetrics {
             "(cluster, MyApp) pairs with a rendered MyApp",
             self.pairs.clone(),
         );
+        registry.register(
+            "flotilla_hub_collection_blocked",
+            "Orphan collections an agent's circuit breaker holds back, awaiting confirmation",
+            self.blocked.clone(),
+        );
     }
 
     pub fn sent(&self, cluster: &str, message: &pb::HubMessage) {
@@ -118,6 +133,14 @@ impl DispatchMetrics {
             .inc();
     }
 
+    pub fn collection_blocked(&self, cluster: &str, would_collect: u32) {
+        self.blocked
+            .get_or_create(&ClusterLabels {
+                cluster: cluster.to_owned(),
+            })
+            .set(i64::from(would_collect));
+    }
+
     pub fn queue_depth(&self, cluster: &str, depth: usize) {
         self.depth
             .get_or_create(&ClusterLabels {
@@ -127,32 +150,59 @@ impl DispatchMetrics {
     }
 }
 
-#[derive(Default)]
 struct State {
     index: Index,
     sessions: HashMap<String, Arc<ClusterQueue>>,
 }
 
+/// A cluster already has a live session: a second agent with the same credential is
+/// refused rather than allowed to take over (two agents would undo each other's work).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "cluster {cluster:?} already has a live agent session (connected {age:?} ago); a second agent with the same identity is refused"
+)]
+pub struct Busy {
+    pub cluster: String,
+    pub age: Duration,
+}
+
 /// The index and the sessions, behind one lock so that a connecting agent's initial
 /// diff and the changes that follow it can neither overlap nor leave a gap.
-#[derive(Default)]
 pub struct Dispatcher {
     state: Mutex<State>,
     next_id: AtomicU64,
+    /// The registered clusters every app was last planned for: an agent is admitted only
+    /// once its cluster is in it, so that its SyncComplete reflects the current
+    /// membership (rule 2: nothing is planned from a store that has not listed).
+    planned: watch::Sender<Arc<BTreeSet<String>>>,
     pub metrics: DispatchMetrics,
 }
 
+impl Default for Dispatcher {
+    fn default() -> Self {
+        Self {
+            state: Mutex::new(State {
+                index: Index::default(),
+                sessions: HashMap::new(),
+            }),
+            next_id: AtomicU64::new(0),
+            planned: watch::Sender::new(Arc::default()),
+            metrics: DispatchMetrics::default(),
+        }
+    }
+}
+
 impl Dispatcher {
-    pub fn set_app(&self, key: &AppKey, plan: BTreeMap<String, Desired>) {
-        let mut state = lock(&self.state);
-        let pushes = state.index.set_app(key, plan);
+    pub fn set_app(&self, key: &AppKey, generation: Option<i64>, plan: BTreeMap<String, Desired>) {
+        let mut state = self.state.lock();
+        let pushes = state.index.set_app(key, generation, plan);
         self.metrics.pairs.set(state.index.applied_pairs() as i64);
         route(&state, pushes);
     }
 
     /// Pushes the deletion and returns the clusters still holding the app.
     pub fn delete_app(&self, key: &AppKey, orphan: bool, placed: &[String]) -> Vec<String> {
-        let mut state = lock(&self.state);
+        let mut state = self.state.lock();
         let pushes = state.index.delete_app(key, orphan, placed);
         self.metrics.pairs.set(state.index.applied_pairs() as i64);
         route(&state, pushes);
@@ -160,80 +210,136 @@ impl Dispatcher {
     }
 
     pub fn forget(&self, key: &AppKey) {
-        lock(&self.state).index.forget(key);
+        self.state.lock().index.forget(key);
     }
 
-    /// Registers a session after its Hello; any older session of the cluster is closed.
-    /// The queue starts with what the agent lacks, then SyncComplete.
+    /// The app vanished from the host without our finalizer; see [`Index::drop_app`].
+    pub fn drop_app(&self, key: &AppKey, orphan: bool) {
+        let mut state = self.state.lock();
+        let pushes = state.index.drop_app(key, orphan);
+        self.metrics.pairs.set(state.index.applied_pairs() as i64);
+        route(&state, pushes);
+    }
+
+    /// Every app has been planned for exactly these registered clusters: clusters that
+    /// left are no longer waited for, and agents of these clusters may be admitted.
+    pub fn planned_for(&self, registered: BTreeSet<String>) {
+        self.state.lock().index.retain_clusters(&registered);
+        self.planned.send_replace(Arc::new(registered));
+    }
+
+    /// Waits until every app has been planned with `cluster` registered; false after
+    /// `timeout`.
+    pub async fn wait_planned(&self, cluster: &str, timeout: Duration) -> bool {
+        let mut planned = self.planned.subscribe();
+        tokio::time::timeout(timeout, planned.wait_for(|p| p.contains(cluster)))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// Registers a session after its Hello, unless the cluster already has one. The
+    /// queue starts with what the agent lacks, then SyncComplete.
     pub fn connect(
         &self,
-        cluster: &str,
-        token_hash: &str,
+        identity: &Identity,
         managed: &HashMap<AppKey, String>,
-    ) -> Arc<ClusterQueue> {
+    ) -> Result<Arc<ClusterQueue>, Busy> {
+        let cluster = identity.cluster.as_str();
+        let mut state = self.state.lock();
+        if let Some(live) = state.sessions.get(cluster) {
+            return Err(Busy {
+                cluster: cluster.to_owned(),
+                age: live.since.elapsed(),
+            });
+        }
         let queue = Arc::new(ClusterQueue {
-            cluster: cluster.to_owned(),
-            token_hash: token_hash.to_owned(),
+            identity: identity.clone(),
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            since: Instant::now(),
             pending: Mutex::default(),
             notify: Notify::new(),
             closed: CancellationToken::new(),
         });
-        let mut state = lock(&self.state);
-        if let Some(old) = state.sessions.insert(cluster.to_owned(), queue.clone()) {
-            old.closed.cancel();
-        }
+        state.sessions.insert(cluster.to_owned(), queue.clone());
         let (pushes, desired) = state.index.connect(cluster, managed);
         route(&state, pushes);
-        let desired = desired.into_iter().map(key_pb).collect();
+        let desired = desired.iter().map(AppKey::to_wire).collect();
         queue.push(
             Slot::SyncComplete,
-            message(Kind::SyncComplete(pb::SyncComplete { desired })),
+            message(Kind::SyncComplete(pb::SyncComplete {
+                desired,
+                confirmed_collection: 0,
+            })),
         );
-        queue
+        Ok(queue)
     }
 
-    /// Ends a session, unless a newer one of the same cluster already replaced it.
+    /// Sends the cluster's live session a new SyncComplete confirming `confirmed`
+    /// collections past the agent's circuit breaker; false without a live session.
+    pub fn resync(&self, cluster: &str, confirmed: u32) -> bool {
+        let state = self.state.lock();
+        let Some(queue) = state.sessions.get(cluster) else {
+            return false;
+        };
+        let desired = state.index.desired_keys(cluster);
+        queue.push(
+            Slot::SyncComplete,
+            message(Kind::SyncComplete(pb::SyncComplete {
+                desired: desired.iter().map(AppKey::to_wire).collect(),
+                confirmed_collection: confirmed,
+            })),
+        );
+        true
+    }
+
+    /// Ends a session (its stream ended), unless it was already closed or replaced.
     pub fn disconnect(&self, queue: &ClusterQueue) {
-        let mut state = lock(&self.state);
-        if state
-            .sessions
-            .get(&queue.cluster)
-            .is_some_and(|q| q.id == queue.id)
-        {
-            state.sessions.remove(&queue.cluster);
-            state.index.disconnect(&queue.cluster);
-        }
+        let mut state = self.state.lock();
+        remove_session(&mut state, queue.cluster(), Some(queue.id));
     }
 
-    /// Closes the cluster's session, e.g. because its credential was revoked.
+    /// Closes the cluster's session at once: nothing more is routed to it.
     pub fn close(&self, cluster: &str) {
-        if let Some(q) = lock(&self.state).sessions.get(cluster) {
-            q.closed.cancel();
+        remove_session(&mut self.state.lock(), cluster, None);
+    }
+
+    /// Closes every session (the hub is shutting down): agents reconnect elsewhere.
+    pub fn close_all(&self) {
+        let mut state = self.state.lock();
+        let clusters: Vec<String> = state.sessions.keys().cloned().collect();
+        for cluster in clusters {
+            remove_session(&mut state, &cluster, None);
         }
     }
 
     /// The connected sessions.
     pub fn sessions(&self) -> Vec<Arc<ClusterQueue>> {
-        lock(&self.state).sessions.values().cloned().collect()
+        self.state.lock().sessions.values().cloned().collect()
     }
 
-    /// Records an agent's report; false when the app is not this cluster's to report.
-    pub fn report(&self, cluster: &str, key: &AppKey, exists: bool) -> bool {
-        let mut state = lock(&self.state);
-        if !state.index.is_placed(cluster, key) {
+    /// Records what a session's agent reported about an app; false when the session was
+    /// replaced or the app is not this cluster's to report.
+    pub fn report(&self, queue: &ClusterQueue, key: &AppKey, held: Held) -> bool {
+        let mut state = self.state.lock();
+        let cluster = queue.cluster();
+        if state.sessions.get(cluster).is_none_or(|q| q.id != queue.id)
+            || !state.index.is_placed(cluster, key)
+        {
             return false;
         }
-        state.index.report(cluster, key, exists);
+        let pushes = state.index.report(cluster, key, held);
+        route(&state, pushes);
         true
     }
+}
 
-    pub fn is_connected(&self, cluster: &str) -> bool {
-        lock(&self.state).sessions.contains_key(cluster)
-    }
-
-    pub fn deletion_waiting_on(&self, key: &AppKey) -> Vec<String> {
-        lock(&self.state).index.deletion_waiting_on(key)
+fn remove_session(state: &mut State, cluster: &str, id: Option<u64>) {
+    if let Some(q) = state.sessions.get(cluster)
+        && id.is_none_or(|id| q.id == id)
+    {
+        q.closed.cancel();
+        state.sessions.remove(cluster);
+        state.index.disconnect(cluster);
     }
 }
 
@@ -244,12 +350,12 @@ fn route(state: &State, pushes: Vec<Push>) {
         };
         let kind = match change {
             Change::Apply(r) => Kind::Apply(pb::Apply {
-                key: Some(key_pb(key.clone())),
+                key: Some(key.to_wire()),
                 hash: r.hash.clone(),
                 manifest: r.json.clone(),
             }),
             Change::Delete { orphan } => Kind::Delete(pb::Delete {
-                key: Some(key_pb(key.clone())),
+                key: Some(key.to_wire()),
                 orphan,
             }),
         };
@@ -259,19 +365,6 @@ fn route(state: &State, pushes: Vec<Push>) {
 
 fn message(kind: Kind) -> pb::HubMessage {
     pb::HubMessage { kind: Some(kind) }
-}
-
-pub fn key_pb(key: AppKey) -> pb::ObjectKey {
-    pb::ObjectKey {
-        namespace: key.namespace,
-        name: key.name,
-    }
-}
-
-/// A poisoned lock means a panic elsewhere mid-update; the maps are still usable and the
-/// hub must keep serving the other clusters.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]
@@ -285,6 +378,13 @@ mod tests {
             hash: hash.into(),
             json: Bytes::from_static(b"{}"),
         }))
+    }
+
+    fn id(cluster: &str) -> Identity {
+        Identity {
+            cluster: cluster.into(),
+            token_hash: String::new(),
+        }
     }
 
     fn describe(m: &pb::HubMessage) -> String {
@@ -302,14 +402,15 @@ mod tests {
     #[tokio::test]
     async fn superseded_versions_collapse_in_place() {
         let d = Dispatcher::default();
-        let q = d.connect("c1", "", &HashMap::new());
+        let q = d.connect(&id("c1"), &HashMap::new()).unwrap();
         assert_eq!(drain(&q).await, ["sync 0"]);
         let key = AppKey::new("ns", "a");
         for h in ["h1", "h2", "h3"] {
-            d.set_app(&key, [("c1".to_owned(), apply(h))].into());
+            d.set_app(&key, None, [("c1".to_owned(), apply(h))].into());
         }
         d.set_app(
             &AppKey::new("ns", "b"),
+            None,
             [("c1".to_owned(), apply("hb"))].into(),
         );
         assert_eq!(q.depth(), 2);
@@ -321,39 +422,82 @@ mod tests {
         let d = Dispatcher::default();
         d.set_app(
             &AppKey::new("ns", "a"),
+            None,
             [
                 ("c1".to_owned(), apply("h1")),
                 ("c2".to_owned(), apply("h2")),
             ]
             .into(),
         );
-        let q = d.connect("c1", "", &HashMap::new());
+        let q = d.connect(&id("c1"), &HashMap::new()).unwrap();
         assert_eq!(drain(&q).await, ["apply a h1", "sync 1"]);
-        assert!(!d.is_connected("c2"));
+        assert_eq!(d.sessions().len(), 1);
     }
 
     #[tokio::test]
-    async fn a_newer_session_closes_the_older_and_the_old_disconnect_is_ignored() {
+    async fn a_second_live_session_is_refused_and_a_stale_disconnect_is_ignored() {
         let d = Dispatcher::default();
-        let old = d.connect("c1", "", &HashMap::new());
-        let new = d.connect("c1", "", &HashMap::new());
-        assert!(old.closed.is_cancelled());
-        d.disconnect(&old);
-        assert!(d.is_connected("c1"), "the newer session stays");
-        d.disconnect(&new);
-        assert!(!d.is_connected("c1"));
+        let first = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        let busy = d.connect(&id("c1"), &HashMap::new()).err().unwrap();
+        assert!(
+            busy.to_string()
+                .contains("already has a live agent session")
+        );
+        assert!(!first.closed.is_cancelled(), "the live session is kept");
+        d.disconnect(&first);
+        let second = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        d.disconnect(&first);
+        assert_eq!(
+            d.sessions().len(),
+            1,
+            "the old session's late disconnect is ignored"
+        );
+        d.close("c1");
+        assert!(second.closed.is_cancelled());
+        assert!(d.sessions().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_closed_session_gets_nothing_more() {
+        let d = Dispatcher::default();
+        let q = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        assert_eq!(drain(&q).await, ["sync 0"]);
+        d.close_all();
+        d.set_app(
+            &AppKey::new("ns", "a"),
+            None,
+            [("c1".to_owned(), apply("h"))].into(),
+        );
+        assert_eq!(q.depth(), 0);
     }
 
     #[test]
-    fn reports_for_apps_not_placed_on_the_cluster_are_refused() {
+    fn reports_for_apps_not_placed_on_the_cluster_or_from_replaced_sessions_are_refused() {
         let d = Dispatcher::default();
-        d.set_app(
-            &AppKey::new("ns", "a"),
-            [("c1".to_owned(), apply("h"))].into(),
+        let a = AppKey::new("ns", "a");
+        d.set_app(&a, None, [("c1".to_owned(), apply("h"))].into());
+        let q1 = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        let q2 = d.connect(&id("c2"), &HashMap::new()).unwrap();
+        assert!(d.report(&q1, &a, Held::Present));
+        assert!(!d.report(&q2, &a, Held::Present));
+        d.disconnect(&q1);
+        let q1b = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        assert!(
+            !d.report(&q1, &a, Held::Absent),
+            "a replaced session's late report"
         );
-        d.connect("c1", "", &HashMap::new());
-        d.connect("c2", "", &HashMap::new());
-        assert!(d.report("c1", &AppKey::new("ns", "a"), true));
-        assert!(!d.report("c2", &AppKey::new("ns", "a"), true));
+        assert!(d.report(&q1b, &a, Held::Present));
+    }
+
+    #[tokio::test]
+    async fn agents_wait_until_their_cluster_is_planned() {
+        let d = Arc::new(Dispatcher::default());
+        assert!(!d.wait_planned("c1", Duration::from_millis(20)).await);
+        let waiter = {
+            let d = d.clone();
+            tokio::spawn(async move { d.wait_planned("c1", Duration::from_secs(5)).await })
+        };
+        d.planned_for(["c1".to_owned()].into());
+        assert!(waiter.await.unwrap());
     }
 }

@@ -1,34 +1,18 @@
 //! Index: what every member cluster should run, built from render outcomes, and what
 //! each connected agent reports it runs. Pure state: every method returns the messages
 //! to push and does no I/O, so that `dispatch` decides when and how they travel.
+//!
+//! What it guarantees (DESIGN.md, safety rules 1–3): an app's desired state never moves
+//! back to an older generation; a deletion waits for every registered cluster that has
+//! the MyApp, may have it (an Apply in flight), or is not connected to say; a cluster is
+//! known not to hold a MyApp only from its agent's own word (Hello or a report).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::fmt;
 use std::sync::Arc;
 
+pub use flotilla_proto::AppKey;
+
 use crate::render::RenderedMyApp;
-
-/// A MyApp's namespace and name: the same on the host (its FederatedMyApp) and members.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct AppKey {
-    pub namespace: String,
-    pub name: String,
-}
-
-impl AppKey {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
-        Self {
-            namespace: namespace.into(),
-            name: name.into(),
-        }
-    }
-}
-
-impl fmt::Display for AppKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
 
 /// What one cluster should have for one app.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,22 +35,54 @@ pub enum Change {
 
 pub type Push = (String, AppKey, Change);
 
+/// What an agent said about one of its MyApps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// It manages the MyApp.
+    Present,
+    /// It does not (deleted, released, or never there).
+    Absent,
+    /// Applying it failed; the agent retries by itself.
+    Failed,
+}
+
 #[derive(Debug, Default)]
 pub struct Index {
     /// cluster → app → desired state.
     desired: HashMap<String, HashMap<AppKey, Desired>>,
     /// app → clusters with an entry in `desired`, to find them without a scan.
     placed: HashMap<AppKey, BTreeSet<String>>,
+    /// app → the newest generation planned; older plans are ignored.
+    generation: HashMap<AppKey, i64>,
     /// cluster → apps its agent manages, for clusters whose agent said Hello since it
     /// last connected; absent for the others, whose state is unknown.
     present: HashMap<String, HashSet<AppKey>>,
     /// app being deleted → clusters that have not confirmed it is gone (or released).
     deleting: HashMap<AppKey, BTreeSet<String>>,
+    /// Deleted apps no finalizer holds (it was removed by hand): forgotten as soon as
+    /// every cluster confirmed, since no reconcile will come to do it.
+    unowned: HashSet<AppKey>,
 }
 
 impl Index {
-    /// Makes `plan` the app's desired state; clusters outside it lose the app.
-    pub fn set_app(&mut self, key: &AppKey, plan: BTreeMap<String, Desired>) -> Vec<Push> {
+    /// Makes `plan` the app's desired state; clusters outside it lose the app. A plan
+    /// for an older generation than one already planned, or for an app being deleted,
+    /// changes nothing.
+    pub fn set_app(
+        &mut self,
+        key: &AppKey,
+        generation: Option<i64>,
+        plan: BTreeMap<String, Desired>,
+    ) -> Vec<Push> {
+        if self.deleting.contains_key(key) {
+            return Vec::new();
+        }
+        if let Some(g) = generation {
+            match self.generation.get(key) {
+                Some(seen) if g < *seen => return Vec::new(),
+                _ => self.generation.insert(key.clone(), g),
+            };
+        }
         let mut pushes = Vec::new();
         let before = self.placed.remove(key).unwrap_or_default();
         for cluster in before.iter().filter(|c| !plan.contains_key(*c)) {
@@ -100,8 +116,9 @@ impl Index {
     }
 
     /// Starts (or continues) deleting an app: every cluster that has or may have it gets
-    /// a Delete; `also` names clusters it is placed on by its spec, which must confirm
-    /// too even if this hub never saw them hold it.
+    /// a Delete and is waited for. `also` names the registered clusters its spec places
+    /// it on, which must confirm too even if this hub never saw them hold it (after a
+    /// restart, say).
     pub fn delete_app(&mut self, key: &AppKey, orphan: bool, also: &[String]) -> Vec<Push> {
         let mut candidates: BTreeSet<String> = self.placed.remove(key).unwrap_or_default();
         candidates.extend(also.iter().cloned());
@@ -115,15 +132,19 @@ impl Index {
         let waiting = self.deleting.entry(key.clone()).or_default();
         for cluster in candidates {
             let desired = self.desired.entry(cluster.clone()).or_default();
-            let already = desired.get(key) == Some(&Desired::Release);
-            desired.remove(key);
-            match self.present.get(&cluster) {
-                // Known not to hold it: nothing to wait for.
-                Some(apps) if !apps.contains(key) => continue,
-                Some(_) if !already => {
-                    pushes.push((cluster.clone(), key.clone(), Change::Delete { orphan }));
-                }
-                _ => {}
+            let before = desired.remove(key);
+            let held = self.present.get(&cluster).map(|apps| apps.contains(key));
+            // A connected agent that has not reported the MyApp may still be applying an
+            // Apply sent this session: only "never sent, never held" is known absence.
+            let may_hold = match held {
+                Some(held) => held || matches!(before, Some(Desired::Apply(_) | Desired::Keep)),
+                None => true,
+            };
+            if !may_hold {
+                continue;
+            }
+            if held.is_some() && before != Some(Desired::Release) {
+                pushes.push((cluster.clone(), key.clone(), Change::Delete { orphan }));
             }
             if orphan {
                 // Kept in the desired set so that reconnecting agents release it rather
@@ -131,6 +152,23 @@ impl Index {
                 desired.insert(key.clone(), Desired::Release);
             }
             waiting.insert(cluster);
+        }
+        pushes
+    }
+
+    /// The app vanished from the host without its finalizer (removed by hand): delete it
+    /// now like any deletion rather than by surprise at the next restart, and forget it
+    /// once every cluster confirmed. Unknown apps (our own finalizer already released
+    /// them) change nothing.
+    pub fn drop_app(&mut self, key: &AppKey, orphan: bool) -> Vec<Push> {
+        if !self.placed.contains_key(key) && !self.deleting.contains_key(key) {
+            return Vec::new();
+        }
+        let pushes = self.delete_app(key, orphan, &[]);
+        if self.deleting.get(key).is_some_and(BTreeSet::is_empty) {
+            self.forget(key);
+        } else {
+            self.unowned.insert(key.clone());
         }
         pushes
     }
@@ -146,10 +184,25 @@ impl Index {
     /// Forgets a deleted app once its finalizer is gone.
     pub fn forget(&mut self, key: &AppKey) {
         self.deleting.remove(key);
+        self.unowned.remove(key);
+        self.generation.remove(key);
         for d in self.desired.values_mut() {
             d.remove(key);
         }
         self.placed.remove(key);
+    }
+
+    /// The registered clusters changed: a cluster that left is no longer waited for, and
+    /// what it was told to release is forgotten with it.
+    pub fn retain_clusters(&mut self, registered: &BTreeSet<String>) {
+        for waiting in self.deleting.values_mut() {
+            waiting.retain(|c| registered.contains(c));
+        }
+        self.desired.retain(|c, _| registered.contains(c));
+        self.present.retain(|c, _| registered.contains(c));
+        for clusters in self.placed.values_mut() {
+            clusters.retain(|c| registered.contains(c));
+        }
     }
 
     /// An agent said Hello with the hashes of the apps it manages: what it lacks or has
@@ -162,9 +215,8 @@ impl Index {
         self.present
             .insert(cluster.to_owned(), managed.keys().cloned().collect());
         let mut pushes = Vec::new();
+        let keys = self.desired_keys(cluster);
         let desired = self.desired.entry(cluster.to_owned()).or_default();
-        let mut keys: Vec<AppKey> = desired.keys().cloned().collect();
-        keys.sort();
         for key in &keys {
             match (&desired[key], managed.get(key)) {
                 (Desired::Apply(r), hash) if hash != Some(&r.hash) => {
@@ -192,32 +244,60 @@ impl Index {
         (pushes, keys)
     }
 
+    /// The keys the cluster should have, for a SyncComplete.
+    pub fn desired_keys(&self, cluster: &str) -> Vec<AppKey> {
+        let mut keys: Vec<AppKey> = self
+            .desired
+            .get(cluster)
+            .map(|d| d.keys().cloned().collect())
+            .unwrap_or_default();
+        keys.sort();
+        keys
+    }
+
     /// The agent went away: what it holds is unknown until it says Hello again.
     pub fn disconnect(&mut self, cluster: &str) {
         self.present.remove(cluster);
     }
 
-    /// The agent reported an app as managed (`exists`) or no longer managed.
-    pub fn report(&mut self, cluster: &str, key: &AppKey, exists: bool) {
+    /// The agent reported on an app. A desired MyApp reported absent (deleted by hand in
+    /// the member, say) is sent again; a failed one is retried by the agent itself.
+    pub fn report(&mut self, cluster: &str, key: &AppKey, held: Held) -> Vec<Push> {
         let Some(apps) = self.present.get_mut(cluster) else {
-            return;
+            return Vec::new();
         };
-        if exists {
-            apps.insert(key.clone());
-        } else {
-            apps.remove(key);
-            self.confirm_gone(cluster, key);
+        match held {
+            Held::Present => {
+                apps.insert(key.clone());
+                Vec::new()
+            }
+            Held::Failed => Vec::new(),
+            Held::Absent => {
+                apps.remove(key);
+                self.confirm_gone(cluster, key);
+                match self.desired.get(cluster).and_then(|d| d.get(key)) {
+                    Some(Desired::Apply(r)) => {
+                        vec![(cluster.to_owned(), key.clone(), Change::Apply(r.clone()))]
+                    }
+                    _ => Vec::new(),
+                }
+            }
         }
     }
 
     fn confirm_gone(&mut self, cluster: &str, key: &AppKey) {
-        if let Some(waiting) = self.deleting.get_mut(key) {
-            waiting.remove(cluster);
-            if let Some(d) = self.desired.get_mut(cluster)
-                && d.get(key) == Some(&Desired::Release)
-            {
-                d.remove(key);
-            }
+        let Some(waiting) = self.deleting.get_mut(key) else {
+            return;
+        };
+        waiting.remove(cluster);
+        let done = waiting.is_empty();
+        if let Some(d) = self.desired.get_mut(cluster)
+            && d.get(key) == Some(&Desired::Release)
+        {
+            d.remove(key);
+        }
+        if done && self.unowned.contains(key) {
+            self.forget(key);
         }
     }
 
@@ -292,15 +372,18 @@ mod tests {
         let mut ix = Index::default();
         let p = plan(&[("c1", rendered("h1")), ("c2", rendered("h2"))]);
         assert_eq!(
-            kinds(&ix.set_app(&key("a"), p.clone())),
+            kinds(&ix.set_app(&key("a"), None, p.clone())),
             [t("c1", "a", "apply h1"), t("c2", "a", "apply h2")]
         );
         assert!(
-            ix.set_app(&key("a"), p).is_empty(),
+            ix.set_app(&key("a"), None, p).is_empty(),
             "same hashes push nothing"
         );
         let p = plan(&[("c1", rendered("h1")), ("c2", rendered("h3"))]);
-        assert_eq!(kinds(&ix.set_app(&key("a"), p)), [t("c2", "a", "apply h3")]);
+        assert_eq!(
+            kinds(&ix.set_app(&key("a"), None, p)),
+            [t("c2", "a", "apply h3")]
+        );
     }
 
     #[test]
@@ -308,9 +391,10 @@ mod tests {
         let mut ix = Index::default();
         ix.set_app(
             &key("a"),
+            None,
             plan(&[("c1", rendered("h1")), ("c2", rendered("h2"))]),
         );
-        let pushes = ix.set_app(&key("a"), plan(&[("c1", Desired::Keep)]));
+        let pushes = ix.set_app(&key("a"), None, plan(&[("c1", Desired::Keep)]));
         assert_eq!(kinds(&pushes), [t("c2", "a", "delete orphan=false")]);
         let (pushes, keys) = ix.connect("c1", &hello(&[("a", "old")]));
         assert!(pushes.is_empty(), "Keep leaves the member's copy alone");
@@ -321,7 +405,7 @@ mod tests {
     fn connect_sends_only_what_differs_and_lists_the_desired_set() {
         let mut ix = Index::default();
         for (n, h) in [("a", "ha"), ("b", "hb"), ("c", "hc")] {
-            ix.set_app(&key(n), plan(&[("c1", rendered(h))]));
+            ix.set_app(&key(n), None, plan(&[("c1", rendered(h))]));
         }
         let (pushes, keys) = ix.connect(
             "c1",
@@ -341,7 +425,7 @@ mod tests {
     #[test]
     fn reconnect_with_everything_current_sends_nothing() {
         let mut ix = Index::default();
-        ix.set_app(&key("a"), plan(&[("c1", rendered("ha"))]));
+        ix.set_app(&key("a"), None, plan(&[("c1", rendered("ha"))]));
         ix.connect("c1", &HashMap::new());
         ix.disconnect("c1");
         let (pushes, _) = ix.connect("c1", &hello(&[("a", "ha")]));
@@ -353,6 +437,7 @@ mod tests {
         let mut ix = Index::default();
         ix.set_app(
             &key("a"),
+            None,
             plan(&[("c1", rendered("h")), ("c2", rendered("h"))]),
         );
         ix.connect("c1", &hello(&[("a", "h")]));
@@ -361,14 +446,14 @@ mod tests {
         let pushes = ix.delete_app(&key("a"), false, &[]);
         assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=false")]);
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1", "c2"]);
-        ix.report("c1", &key("a"), false);
+        ix.report("c1", &key("a"), Held::Absent);
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c2"]);
         let (pushes, keys) = ix.connect("c2", &hello(&[("a", "h")]));
         assert!(
             pushes.is_empty() && keys.is_empty(),
             "not desired: the agent collects it"
         );
-        ix.report("c2", &key("a"), false);
+        ix.report("c2", &key("a"), Held::Absent);
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
     }
 
@@ -398,6 +483,7 @@ mod tests {
         let mut ix = Index::default();
         ix.set_app(
             &key("a"),
+            None,
             plan(&[("c1", rendered("h")), ("c2", rendered("h"))]),
         );
         ix.connect("c1", &hello(&[("a", "h")]));
@@ -414,8 +500,8 @@ mod tests {
             [key("a")],
             "listed as desired, so c2 does not collect it"
         );
-        ix.report("c1", &key("a"), false);
-        ix.report("c2", &key("a"), false);
+        ix.report("c1", &key("a"), Held::Absent);
+        ix.report("c2", &key("a"), Held::Absent);
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
         let (_, keys) = ix.connect("c2", &HashMap::new());
         assert!(
@@ -427,7 +513,7 @@ mod tests {
     #[test]
     fn status_is_accepted_only_for_placed_apps() {
         let mut ix = Index::default();
-        ix.set_app(&key("a"), plan(&[("c1", rendered("h"))]));
+        ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
         assert!(ix.is_placed("c1", &key("a")));
         assert!(!ix.is_placed("c2", &key("a")));
         assert!(!ix.is_placed("c1", &key("b")));
@@ -438,9 +524,130 @@ mod tests {
         let mut ix = Index::default();
         ix.set_app(
             &key("a"),
+            None,
             plan(&[("c1", rendered("h")), ("c2", Desired::Keep)]),
         );
-        ix.set_app(&key("b"), plan(&[("c1", rendered("h"))]));
+        ix.set_app(&key("b"), None, plan(&[("c1", rendered("h"))]));
         assert_eq!(ix.applied_pairs(), 2);
+    }
+
+    #[test]
+    fn an_older_generation_never_replaces_a_newer_one() {
+        let mut ix = Index::default();
+        ix.set_app(&key("a"), Some(5), plan(&[("c1", rendered("v5"))]));
+        assert!(
+            ix.set_app(&key("a"), Some(4), plan(&[("c1", rendered("v4"))]))
+                .is_empty()
+        );
+        assert!(
+            ix.set_app(&key("a"), Some(4), plan(&[])).is_empty(),
+            "nor removes a cluster"
+        );
+        let (pushes, _) = ix.connect("c1", &HashMap::new());
+        assert_eq!(kinds(&pushes), [t("c1", "a", "apply v5")]);
+        // The same generation re-planned (membership changed) is applied.
+        assert_eq!(
+            kinds(&ix.set_app(&key("a"), Some(5), plan(&[("c1", rendered("v5b"))]))),
+            [t("c1", "a", "apply v5b")]
+        );
+    }
+
+    #[test]
+    fn a_plan_for_an_app_being_deleted_is_ignored() {
+        let mut ix = Index::default();
+        ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h"))]));
+        ix.delete_app(&key("a"), false, &[]);
+        assert!(
+            ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h"))]))
+                .is_empty()
+        );
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
+    }
+
+    #[test]
+    fn delete_while_an_apply_is_in_flight_sends_delete_and_waits() {
+        let mut ix = Index::default();
+        ix.connect("c1", &HashMap::new());
+        let pushes = ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
+        assert_eq!(kinds(&pushes), [t("c1", "a", "apply h")]);
+        // No report yet: the agent may be applying it right now.
+        let pushes = ix.delete_app(&key("a"), false, &[]);
+        assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=false")]);
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
+        ix.report("c1", &key("a"), Held::Present);
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
+        ix.report("c1", &key("a"), Held::Absent);
+        assert!(ix.deletion_waiting_on(&key("a")).is_empty());
+    }
+
+    #[test]
+    fn an_orphaning_delete_while_an_apply_is_in_flight_releases_it() {
+        let mut ix = Index::default();
+        ix.connect("c1", &HashMap::new());
+        ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
+        let pushes = ix.delete_app(&key("a"), true, &[]);
+        assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=true")]);
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
+    }
+
+    #[test]
+    fn a_cluster_that_leaves_is_no_longer_waited_for() {
+        let mut ix = Index::default();
+        ix.set_app(
+            &key("a"),
+            None,
+            plan(&[("c1", rendered("h")), ("c2", rendered("h"))]),
+        );
+        ix.delete_app(&key("a"), true, &[]);
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1", "c2"]);
+        ix.retain_clusters(&["c1".to_owned()].into());
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
+        ix.connect("c1", &HashMap::new());
+        assert!(ix.deletion_waiting_on(&key("a")).is_empty());
+    }
+
+    #[test]
+    fn a_desired_myapp_reported_absent_is_sent_again_but_a_failed_one_is_not() {
+        let mut ix = Index::default();
+        ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
+        ix.connect("c1", &hello(&[("a", "h")]));
+        assert_eq!(
+            kinds(&ix.report("c1", &key("a"), Held::Absent)),
+            [t("c1", "a", "apply h")],
+            "deleted by hand in the member: restored"
+        );
+        assert!(ix.report("c1", &key("a"), Held::Failed).is_empty());
+        assert!(ix.report("c1", &key("b"), Held::Absent).is_empty());
+        ix.set_app(&key("a"), None, plan(&[("c1", Desired::Keep)]));
+        assert!(
+            ix.report("c1", &key("a"), Held::Absent).is_empty(),
+            "Keep sends nothing"
+        );
+    }
+
+    #[test]
+    fn reports_from_disconnected_clusters_change_nothing() {
+        let mut ix = Index::default();
+        ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
+        assert!(ix.report("c1", &key("a"), Held::Absent).is_empty());
+    }
+
+    #[test]
+    fn an_app_deleted_without_its_finalizer_is_deleted_now_and_then_forgotten() {
+        let mut ix = Index::default();
+        ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
+        ix.connect("c1", &hello(&[("a", "h")]));
+        assert_eq!(
+            kinds(&ix.drop_app(&key("a"), false)),
+            [t("c1", "a", "delete orphan=false")]
+        );
+        ix.report("c1", &key("a"), Held::Absent);
+        assert!(!ix.is_placed("c1", &key("a")), "forgotten once confirmed");
+        assert!(
+            ix.drop_app(&key("a"), false).is_empty(),
+            "unknown apps change nothing"
+        );
+        let (_, keys) = ix.connect("c2", &HashMap::new());
+        assert!(keys.is_empty());
     }
 }

@@ -1,34 +1,149 @@
-//! Membership: agents' heartbeats → `MemberCluster.status` (`Ready`, last heartbeat,
-//! versions). A cluster is Ready while heartbeats arrive within the grace period; a
-//! disconnect alone does not flip it, since a restarting hub or agent reconnects within
-//! seconds.
+//! Membership: the MemberCluster watch and agents' heartbeats.
+//!
+//! The watch keeps the MemberCluster store, ends the sessions of clusters whose
+//! credential was revoked or rotated (or that were deleted), and says when the set of
+//! registered clusters changed, so that every app is planned again. Heartbeats become
+//! `MemberCluster.status` (`Ready`, last heartbeat, versions): a cluster is Ready while
+//! heartbeats arrive within the grace period; a disconnect alone does not flip it, since
+//! a restarting hub or agent reconnects within seconds.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::bail;
+use flotilla_common::coalesce::Pending;
 use flotilla_crds::MemberCluster;
+use flotilla_crds::condition;
 use flotilla_crds::member::MemberClusterStatus;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use futures::{Stream, StreamExt};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::reflector::{ObjectRef, Store};
-use tokio::sync::Notify;
+use kube::runtime::reflector::Store;
+use parking_lot::Mutex;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
+
+use crate::auth;
+use crate::dispatch::Dispatcher;
+use crate::placement::Members;
+use crate::status::status_patch;
+
+/// Registered clusters (names and labels), leaving out those being deleted.
+pub fn registered(members: &Store<MemberCluster>) -> Members {
+    members
+        .state()
+        .iter()
+        .filter(|m| m.metadata.deletion_timestamp.is_none())
+        .map(|m| (m.name_any(), m.labels().clone()))
+        .collect()
+}
+
+/// Why an agent in the physical cluster `uid` may not speak for `member`: the
+/// credential was first used from another cluster (its pinned `kube-system` UID).
+pub fn foreign_cluster(member: &MemberCluster, uid: &str) -> Option<String> {
+    let pinned = member.status.as_ref()?.cluster_uid.as_deref()?;
+    (!uid.is_empty() && pinned != uid).then(|| {
+        format!(
+            "the credential of cluster {:?} is bound to the cluster whose kube-system namespace has UID {pinned}; this agent runs in {uid}",
+            member.name_any()
+        )
+    })
+}
+
+/// Runs the MemberCluster watch (`events` drives the store): closes sessions that lost
+/// their credential, carries a user's confirmation of a held-back collection to the
+/// cluster's agent, and bumps `changed` whenever the registered clusters change. A watch
+/// never ends by itself; if it does, the hub must stop.
+pub async fn watch_members(
+    events: impl Stream<Item = Result<MemberCluster, kube::runtime::watcher::Error>>,
+    members: Store<MemberCluster>,
+    dispatcher: Arc<Dispatcher>,
+    changed: watch::Sender<u64>,
+    client: kube::Client,
+) -> anyhow::Result<()> {
+    let api: Api<MemberCluster> = Api::all(client);
+    let mut last = None;
+    let mut events = std::pin::pin!(events);
+    while let Some(event) = events.next().await {
+        let member = match event {
+            Ok(member) => member,
+            Err(e) => {
+                warn!(error = %e, "watching MemberClusters");
+                continue;
+            }
+        };
+        for session in dispatcher.sessions() {
+            if auth::revoked(&members, &session.identity) {
+                info!(cluster = %session.cluster(), "credential revoked or rotated, or MemberCluster deleted: closing its session");
+                dispatcher.close(session.cluster());
+            }
+        }
+        if let Some(confirmed) = member.annotations().get(CONFIRM_COLLECTION_ANNOTATION) {
+            confirm_collection(&api, &dispatcher, &member.name_any(), confirmed).await;
+        }
+        let now = registered(&members);
+        if last.as_ref() != Some(&now) {
+            last = Some(now);
+            changed.send_modify(|n| *n += 1);
+        }
+    }
+    bail!("the MemberCluster watch ended")
+}
+
+/// Sends the cluster's agent a SyncComplete that confirms `confirmed` collections, then
+/// removes the annotation so that it cannot confirm a later, different mass deletion.
+async fn confirm_collection(
+    api: &Api<MemberCluster>,
+    dispatcher: &Dispatcher,
+    cluster: &str,
+    confirmed: &str,
+) {
+    let Ok(count) = confirmed.parse::<u32>() else {
+        warn!(
+            cluster,
+            value = confirmed,
+            "{CONFIRM_COLLECTION_ANNOTATION} must be the number of MyApps to collect; ignored"
+        );
+        return;
+    };
+    if !dispatcher.resync(cluster, count) {
+        // Held until the agent is connected: it is the one waiting for the word.
+        return;
+    }
+    info!(
+        cluster,
+        count, "collection confirmed by a user; the agent may collect"
+    );
+    let patch =
+        serde_json::json!({"metadata": {"annotations": {CONFIRM_COLLECTION_ANNOTATION: null}}});
+    if let Err(e) = api
+        .patch(cluster, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        warn!(cluster, error = %e, "removing {CONFIRM_COLLECTION_ANNOTATION} failed");
+    }
+}
+
+/// A user's go-ahead for a collection the agent's circuit breaker held back.
+pub const CONFIRM_COLLECTION_ANNOTATION: &str = "flotilla.io/confirm-collection";
 
 #[derive(Debug, Clone, Default)]
 struct Member {
     last_heartbeat: Option<(Instant, Timestamp)>,
     agent_version: Option<String>,
     kubernetes_version: Option<String>,
-    /// Something changed that the MemberCluster status does not show yet.
-    dirty: bool,
+    cluster_uid: Option<String>,
+    /// The agent's circuit breaker held back this many collections (of so many managed).
+    blocked: Option<(u32, u32)>,
 }
 
 pub struct Membership {
     members: Mutex<HashMap<String, Member>>,
-    wake: Notify,
+    dirty: Pending<String>,
     grace: Duration,
     started: Instant,
 }
@@ -37,7 +152,7 @@ impl Membership {
     pub fn new(grace: Duration) -> Self {
         Self {
             members: Mutex::default(),
-            wake: Notify::new(),
+            dirty: Pending::default(),
             grace,
             started: Instant::now(),
         }
@@ -45,28 +160,37 @@ impl Membership {
 
     /// A session started: written at once, so that a new agent shows Ready in well under
     /// a second.
-    pub fn hello(&self, cluster: &str, agent_version: &str, kubernetes_version: &str) {
-        let mut members = self.lock();
+    pub fn hello(&self, cluster: &str, hello: &flotilla_proto::v1::Hello) {
+        let mut members = self.members.lock();
         let m = members.entry(cluster.to_owned()).or_default();
-        m.agent_version = Some(agent_version.to_owned());
-        m.kubernetes_version = Some(kubernetes_version.to_owned());
+        m.agent_version = Some(hello.agent_version.clone());
+        m.kubernetes_version = Some(hello.kubernetes_version.clone());
+        m.cluster_uid = Some(hello.cluster_uid.clone()).filter(|u| !u.is_empty());
+        m.blocked = None;
         m.last_heartbeat = Some((Instant::now(), Timestamp::now()));
-        m.dirty = true;
         drop(members);
-        self.wake.notify_one();
+        self.dirty.mark(cluster.to_owned());
     }
 
     pub fn heartbeat(&self, cluster: &str) {
-        let mut members = self.lock();
-        let m = members.entry(cluster.to_owned()).or_default();
-        m.last_heartbeat = Some((Instant::now(), Timestamp::now()));
-        m.dirty = true;
+        let mut members = self.members.lock();
+        members
+            .entry(cluster.to_owned())
+            .or_default()
+            .last_heartbeat = Some((Instant::now(), Timestamp::now()));
         drop(members);
-        self.wake.notify_one();
+        self.dirty.mark(cluster.to_owned());
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, Member>> {
-        self.members.lock().unwrap_or_else(|p| p.into_inner())
+    /// The agent held back a collection; shown on the MemberCluster until it connects
+    /// again (and collects, or is held back again).
+    pub fn collection_blocked(&self, cluster: &str, would_collect: u32, managed: u32) {
+        self.members
+            .lock()
+            .entry(cluster.to_owned())
+            .or_default()
+            .blocked = Some((would_collect, managed));
+        self.dirty.mark(cluster.to_owned());
     }
 
     /// Whether a heartbeat arrived within the grace period.
@@ -75,50 +199,47 @@ impl Membership {
             .is_some_and(|(at, _)| now.duration_since(at) <= self.grace)
     }
 
+    /// The statuses to write now: clusters that heartbeated, and those whose readiness
+    /// shown differs from the truth. Before one grace period has passed since start an
+    /// agent may still be reconnecting, so no cluster is declared gone yet.
+    fn due(
+        &self,
+        dirty: &[String],
+        store: &Store<MemberCluster>,
+    ) -> Vec<(String, MemberClusterStatus)> {
+        let now = Instant::now();
+        let settled = now.duration_since(self.started) > self.grace;
+        let members = self.members.lock();
+        store
+            .state()
+            .iter()
+            .filter_map(|mc| {
+                let name = mc.name_any();
+                let m = members.get(&name);
+                let alive = self.alive(m, now);
+                let previous = mc.status.as_ref();
+                let shown = previous.and_then(|s| condition::is_true(&s.conditions, "Ready"));
+                let due = dirty.contains(&name) || (shown != Some(alive) && (alive || settled));
+                due.then(|| {
+                    let status = self.status(&name, m, alive, previous, mc.metadata.generation);
+                    (name, status)
+                })
+            })
+            .collect()
+    }
+
     /// Keeps every MemberCluster's status current until `shutdown`.
     pub async fn write_loop(
         &self,
         client: kube::Client,
         store: Store<MemberCluster>,
         shutdown: CancellationToken,
-    ) {
+    ) -> anyhow::Result<()> {
         let api: Api<MemberCluster> = Api::all(client);
         let tick = (self.grace / 4).max(Duration::from_millis(250));
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = self.wake.notified() => {}
-                _ = tokio::time::sleep(tick) => {}
-            }
-            let now = Instant::now();
-            let mut writes = Vec::new();
-            {
-                let mut members = self.lock();
-                for mc in store.state() {
-                    let Some(name) = mc.metadata.name.clone() else {
-                        continue;
-                    };
-                    let m = members.get(&name);
-                    let alive = self.alive(m, now);
-                    let shown = mc
-                        .status
-                        .as_ref()
-                        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"))
-                        .map(|c| c.status == "True");
-                    let dirty = m.is_some_and(|m| m.dirty);
-                    // Before the first grace period has passed since start, an agent
-                    // may still be reconnecting: do not declare it gone yet.
-                    let settled = now.duration_since(self.started) > self.grace;
-                    if dirty || (shown != Some(alive) && (alive || settled)) {
-                        writes.push((name.clone(), self.status(m, alive, mc.status.as_ref())));
-                        if let Some(m) = members.get_mut(&name) {
-                            m.dirty = false;
-                        }
-                    }
-                }
-            }
-            for (name, status) in writes {
-                let patch = Patch::Merge(serde_json::json!({ "status": status }));
+        while let Some(dirty) = self.dirty.take(Duration::ZERO, Some(tick), &shutdown).await {
+            for (name, status) in self.due(&dirty, &store) {
+                let patch = Patch::Merge(status_patch(&status, &["conditions"]));
                 match api
                     .patch_status(&name, &PatchParams::default(), &patch)
                     .await
@@ -127,30 +248,23 @@ impl Membership {
                     Err(kube::Error::Api(e)) if e.code == 404 => {}
                     Err(e) => {
                         warn!(cluster = %name, error = %e, "writing MemberCluster status failed; retrying");
-                        if let Some(m) = self.lock().get_mut(&name) {
-                            m.dirty = true;
-                        }
+                        self.dirty.mark(name);
                     }
                 }
             }
         }
+        Ok(())
     }
 
     fn status(
         &self,
+        name: &str,
         m: Option<&Member>,
         alive: bool,
         previous: Option<&MemberClusterStatus>,
+        generation: Option<i64>,
     ) -> MemberClusterStatus {
-        let before = previous.and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"));
-        let status = if alive { "True" } else { "False" };
-        let transition = match before {
-            Some(b) if b.status == status => b.last_transition_time.clone(),
-            _ => {
-                info!(ready = alive, "MemberCluster readiness changed");
-                Time(Timestamp::now())
-            }
-        };
+        let now = Time(Timestamp::now());
         let (reason, message) = if alive {
             (
                 "AgentHeartbeating",
@@ -165,15 +279,44 @@ impl Membership {
                 ),
             )
         };
+        let before = previous.map_or(&[][..], |p| &p.conditions);
+        let ready = condition::new("Ready", alive, reason, message, generation, &now);
+        if condition::is_true(before, "Ready") != Some(alive) {
+            info!(
+                cluster = name,
+                ready = alive,
+                "MemberCluster readiness changed"
+            );
+        }
+        let blocked = match m.and_then(|m| m.blocked) {
+            Some((would_collect, managed)) => condition::new(
+                "CollectionBlocked",
+                true,
+                "CircuitBreakerOpen",
+                format!(
+                    "the agent holds back deleting {would_collect} of its {managed} managed MyApps that the hub no longer wants; \
+                     if that is intended, confirm with: kubectl annotate membercluster {name} {CONFIRM_COLLECTION_ANNOTATION}={would_collect}"
+                ),
+                generation,
+                &now,
+            ),
+            None => condition::new(
+                "CollectionBlocked",
+                false,
+                "NothingHeld",
+                "",
+                generation,
+                &now,
+            ),
+        };
         MemberClusterStatus {
-            conditions: vec![Condition {
-                type_: "Ready".into(),
-                status: status.into(),
-                reason: reason.into(),
-                message,
-                last_transition_time: transition,
-                observed_generation: None,
-            }],
+            conditions: [ready, blocked]
+                .into_iter()
+                .map(|c| condition::settle(c, before))
+                .collect(),
+            cluster_uid: m
+                .and_then(|m| m.cluster_uid.clone())
+                .or_else(|| previous.and_then(|p| p.cluster_uid.clone())),
             last_heartbeat_time: m
                 .and_then(|m| m.last_heartbeat)
                 .map(|(_, t)| Time(t))
@@ -188,7 +331,137 @@ impl Membership {
     }
 }
 
-/// Looks a MemberCluster up by name.
-pub fn member(store: &Store<MemberCluster>, name: &str) -> Option<std::sync::Arc<MemberCluster>> {
-    store.get(&ObjectRef::new(name))
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::runtime::{reflector, watcher};
+
+    fn store(names: &[(&str, Option<bool>)]) -> Store<MemberCluster> {
+        let (store, mut writer) = reflector::store::<MemberCluster>();
+        writer.apply_watcher_event(&watcher::Event::Init);
+        for (name, ready) in names {
+            let mut m = MemberCluster::new(name, Default::default());
+            if let Some(ready) = ready {
+                let now = Time(Timestamp::now());
+                m.status = Some(MemberClusterStatus {
+                    conditions: vec![condition::new("Ready", *ready, "X", "", None, &now)],
+                    ..Default::default()
+                });
+            }
+            writer.apply_watcher_event(&watcher::Event::InitApply(m));
+        }
+        writer.apply_watcher_event(&watcher::Event::InitDone);
+        store
+    }
+
+    #[test]
+    fn a_heartbeat_makes_a_cluster_ready_and_due() {
+        let m = Membership::new(Duration::from_secs(40));
+        m.hello(
+            "c1",
+            &flotilla_proto::v1::Hello {
+                agent_version: "0.1.0".into(),
+                kubernetes_version: "v1.34.4".into(),
+                cluster_uid: "uid-1".into(),
+                ..Default::default()
+            },
+        );
+        let due = m.due(&["c1".into()], &store(&[("c1", None), ("c2", None)]));
+        assert_eq!(
+            due.len(),
+            1,
+            "c2 is not declared gone within the first grace period"
+        );
+        let (name, status) = &due[0];
+        assert_eq!(name, "c1");
+        assert_eq!(condition::is_true(&status.conditions, "Ready"), Some(true));
+        assert_eq!(status.agent_version.as_deref(), Some("0.1.0"));
+        assert_eq!(
+            status.cluster_uid.as_deref(),
+            Some("uid-1"),
+            "the physical cluster is pinned"
+        );
+        assert_eq!(
+            condition::is_true(&status.conditions, "CollectionBlocked"),
+            Some(false)
+        );
+        assert!(status.last_heartbeat_time.is_some());
+    }
+
+    #[test]
+    fn silence_past_the_grace_period_turns_a_cluster_not_ready() {
+        let m = Membership::new(Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(5));
+        let due = m.due(&[], &store(&[("c1", Some(true)), ("c2", Some(false))]));
+        assert_eq!(due.len(), 1, "c2 already shows NotReady: nothing to write");
+        assert_eq!(due[0].0, "c1");
+        let ready = &due[0].1.conditions[0];
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "AgentSilent")
+        );
+    }
+
+    #[test]
+    fn an_unchanged_ready_cluster_is_not_rewritten() {
+        let m = Membership::new(Duration::from_secs(40));
+        m.heartbeat("c1");
+        assert!(m.due(&[], &store(&[("c1", Some(true))])).is_empty());
+    }
+
+    #[test]
+    fn registered_leaves_out_clusters_being_deleted() {
+        let (store, mut writer) = reflector::store::<MemberCluster>();
+        let mut gone = MemberCluster::new("gone", Default::default());
+        gone.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+        writer.apply_watcher_event(&watcher::Event::Apply(gone));
+        writer.apply_watcher_event(&watcher::Event::Apply(MemberCluster::new(
+            "c1",
+            Default::default(),
+        )));
+        assert_eq!(registered(&store).keys().collect::<Vec<_>>(), ["c1"]);
+    }
+
+    #[test]
+    fn a_held_back_collection_shows_how_to_confirm_it() {
+        let m = Membership::new(Duration::from_secs(40));
+        m.heartbeat("c1");
+        m.collection_blocked("c1", 7, 10);
+        let due = m.due(&["c1".into()], &store(&[("c1", Some(true))]));
+        let blocked = due[0]
+            .1
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "CollectionBlocked")
+            .unwrap();
+        assert_eq!(blocked.status, "True");
+        assert!(
+            blocked
+                .message
+                .contains("kubectl annotate membercluster c1 flotilla.io/confirm-collection=7"),
+            "{}",
+            blocked.message
+        );
+    }
+
+    #[test]
+    fn an_agent_in_another_physical_cluster_is_foreign() {
+        let mut mc = MemberCluster::new("c1", Default::default());
+        assert_eq!(foreign_cluster(&mc, "uid-2"), None, "nothing pinned yet");
+        mc.status = Some(MemberClusterStatus {
+            cluster_uid: Some("uid-1".into()),
+            ..Default::default()
+        });
+        assert_eq!(foreign_cluster(&mc, "uid-1"), None);
+        assert!(
+            foreign_cluster(&mc, "uid-2")
+                .unwrap()
+                .contains("bound to the cluster whose kube-system namespace has UID uid-1")
+        );
+        assert_eq!(
+            foreign_cluster(&mc, ""),
+            None,
+            "an agent that cannot read kube-system is not refused"
+        );
+    }
 }

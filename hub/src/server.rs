@@ -1,92 +1,84 @@
 //! Server: the tonic `Federation` service. Authenticates each stream as one member
-//! cluster, feeds its queue to the agent and its reports to the status board.
-//!
-//! A credential is `<cluster>.<secret>`, sent as `authorization: Bearer …` over TLS; the
-//! MemberCluster of that name stores the SHA-256 of the whole token, never the token.
+//! cluster, admits it once the index is planned for that cluster, feeds its queue to the
+//! agent and its reports to the index and the status board.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use flotilla_crds::MemberCluster;
-use flotilla_proto::v1::federation_server::Federation;
+use flotilla_proto::client::MAX_MESSAGE;
+use flotilla_proto::v1::federation_server::{Federation, FederationServer};
 use flotilla_proto::v1::{self as pb, agent_message};
 use kube::runtime::reflector::Store;
-use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Identity, Server, ServerTlsConfig};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
-use crate::dispatch::Dispatcher;
+use crate::auth::{self, AuthError};
+use crate::dispatch::{ClusterQueue, Dispatcher};
 use crate::index::AppKey;
 use crate::membership::{self, Membership};
-use crate::status::StatusBoard;
+use crate::status::{Report, StatusBoard};
 
 /// Messages buffered towards one agent beyond its queue: small, since the queue itself
 /// collapses superseded versions and a full buffer is how backpressure reaches it.
 const STREAM_BUFFER: usize = 64;
 const BATCH: usize = 64;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a session waits for the index to be planned for its cluster (a MemberCluster
+/// just created): past it, the agent is told to retry.
+const PLANNED_TIMEOUT: Duration = Duration::from_secs(10);
+/// A ping after this long without traffic; a connection that does not answer within
+/// the same time is dropped, so a vanished agent frees its cluster's session.
+const KEEPALIVE: Duration = Duration::from_secs(10);
 
 pub struct FederationService {
     pub dispatcher: Arc<Dispatcher>,
     pub status: Arc<StatusBoard>,
     pub membership: Arc<Membership>,
     pub members: Store<MemberCluster>,
-    /// Opens once every FederatedMyApp has been rendered: before that, an agent's
-    /// SyncComplete would list too little and it would collect MyApps that are wanted.
-    pub ready: tokio::sync::watch::Receiver<bool>,
 }
 
-pub fn token_sha256(token: &str) -> String {
-    hex::encode(Sha256::digest(token.as_bytes()))
-}
-
-/// The cluster a bearer token belongs to, if the token is current.
-pub fn authenticate(
-    members: &Store<MemberCluster>,
-    authorization: Option<&str>,
-) -> Result<String, Status> {
-    let token = authorization
-        .and_then(|h| h.strip_prefix("Bearer "))
-        .ok_or_else(|| {
-            Status::unauthenticated("missing bearer token (authorization: Bearer <token>)")
-        })?;
-    let (cluster, _) = token.rsplit_once('.').ok_or_else(|| {
-        Status::unauthenticated(
-            "malformed token: expected <cluster>.<secret> as issued by flotilla-hub join",
-        )
-    })?;
-    let refused = || {
-        Status::unauthenticated(format!(
-            "unknown or revoked credential for cluster {cluster:?}"
-        ))
+/// Binds `addr` and serves agents until `shutdown`; then ends every session at once so
+/// that agents reconnect to the next hub instead of holding on to this one.
+pub async fn serve(
+    addr: SocketAddr,
+    tls: Identity,
+    service: FederationService,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the gRPC address {addr}"))?;
+    info!(grpc = %addr, "serving agents");
+    let dispatcher = service.dispatcher.clone();
+    let stop = async move {
+        shutdown.cancelled().await;
+        dispatcher.close_all();
     };
-    let member = membership::member(members, cluster).ok_or_else(refused)?;
-    // Comparing digests, not secrets: timing reveals nothing usable about the token.
-    match member.spec.token_sha256.as_deref() {
-        Some(stored)
-            if stored == token_sha256(token) && member.metadata.deletion_timestamp.is_none() =>
-        {
-            Ok(cluster.to_owned())
-        }
-        _ => Err(refused()),
-    }
+    Server::builder()
+        .tls_config(ServerTlsConfig::new().identity(tls))
+        .context("configuring TLS")?
+        .http2_keepalive_interval(Some(KEEPALIVE))
+        .http2_keepalive_timeout(Some(KEEPALIVE))
+        .add_service(
+            FederationServer::new(service)
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+        )
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop)
+        .await
+        .with_context(|| format!("serving gRPC on {addr}"))
 }
 
-/// The cluster whose token hash the MemberCluster no longer carries, so its session must
-/// end.
-pub fn revoked(members: &Store<MemberCluster>, cluster: &str, token_hash: &str) -> bool {
-    membership::member(members, cluster).is_none_or(|m| {
-        m.spec.token_sha256.as_deref() != Some(token_hash)
-            || m.metadata.deletion_timestamp.is_some()
-    })
-}
-
-fn key(k: Option<pb::ObjectKey>) -> Option<AppKey> {
-    k.filter(|k| !k.namespace.is_empty() && !k.name.is_empty())
-        .map(|k| AppKey::new(k.namespace, k.name))
+fn refused(e: AuthError) -> Status {
+    Status::unauthenticated(e.to_string())
 }
 
 #[tonic::async_trait]
@@ -100,17 +92,11 @@ impl Federation for FederationService {
         let authorization = request
             .metadata()
             .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        let cluster = authenticate(&self.members, authorization.as_deref())?;
-        let token_hash = token_sha256(
-            authorization
-                .as_deref()
-                .unwrap_or_default()
-                .trim_start_matches("Bearer "),
-        );
+            .and_then(|v| v.to_str().ok());
+        let identity = auth::authenticate(&self.members, authorization).map_err(refused)?;
+        let cluster = identity.cluster.clone();
         let mut inbound = request.into_inner();
-        let hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
+        let mut hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
             Ok(Ok(Some(pb::AgentMessage {
                 kind: Some(agent_message::Kind::Hello(h)),
             }))) => h,
@@ -128,89 +114,140 @@ impl Federation for FederationService {
                 hello.cluster
             )));
         }
-        let mut ready = self.ready.clone();
-        if ready.wait_for(|r| *r).await.is_err() {
-            return Err(Status::unavailable("the hub is shutting down"));
+        if let Some(why) = auth::member(&self.members, &cluster)
+            .and_then(|m| membership::foreign_cluster(&m, &hello.cluster_uid))
+        {
+            warn!(%cluster, "{why}");
+            return Err(Status::permission_denied(why));
         }
-        let managed: HashMap<AppKey, String> = hello
-            .managed
+        if !self
+            .dispatcher
+            .wait_planned(&cluster, PLANNED_TIMEOUT)
+            .await
+        {
+            return Err(Status::unavailable(format!(
+                "the hub has not planned the apps of cluster {cluster:?} yet; retry"
+            )));
+        }
+        let managed: HashMap<AppKey, String> = std::mem::take(&mut hello.managed)
             .into_iter()
-            .filter_map(|m| Some((key(m.key)?, m.hash)))
+            .filter_map(|m| Some((AppKey::from_wire(m.key)?, m.hash)))
             .collect();
+        let queue = self
+            .dispatcher
+            .connect(&identity, &managed)
+            .map_err(|busy| {
+                warn!(%cluster, "{busy}");
+                Status::already_exists(busy.to_string())
+            })?;
         info!(%cluster, agent = %hello.agent_version, kubernetes = %hello.kubernetes_version, managed = managed.len(), "agent connected");
-        let queue = self.dispatcher.connect(&cluster, &token_hash, &managed);
-        self.membership
-            .hello(&cluster, &hello.agent_version, &hello.kubernetes_version);
-        self.status.touch_cluster(&cluster);
+        self.membership.hello(&cluster, &hello);
+        self.dispatcher.metrics.collection_blocked(&cluster, 0);
+        self.status.connected(&cluster);
 
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
-        let (dispatcher, members) = (self.dispatcher.clone(), self.members.clone());
-        let sender_queue = queue.clone();
-        tokio::spawn(async move {
-            let q = sender_queue;
-            loop {
-                let batch = tokio::select! {
-                    _ = q.closed.cancelled() => {
-                        let why = if revoked(&members, &q.cluster, &q.token_hash) {
-                            Status::unauthenticated(format!("credential for cluster {:?} was revoked", q.cluster))
-                        } else {
-                            Status::aborted("replaced by a newer session of the same cluster")
-                        };
-                        let _ = tx.send(Err(why)).await;
-                        return;
-                    }
-                    batch = q.next_batch(BATCH) => batch,
-                };
-                for message in batch {
-                    dispatcher.metrics.sent(&q.cluster, &message);
-                    if tx.send(Ok(message)).await.is_err() {
-                        return;
-                    }
-                }
-                dispatcher.metrics.queue_depth(&q.cluster, q.depth());
-            }
-        });
-
-        let (dispatcher, status, membership) = (
+        tokio::spawn(send_loop(
+            queue.clone(),
+            self.dispatcher.clone(),
+            self.members.clone(),
+            tx,
+        ));
+        tokio::spawn(receive_loop(
+            queue,
+            inbound,
             self.dispatcher.clone(),
             self.status.clone(),
             self.membership.clone(),
-        );
-        tokio::spawn(async move {
-            loop {
-                let message = tokio::select! {
-                    _ = queue.closed.cancelled() => break,
-                    m = inbound.message() => m,
-                };
-                match message {
-                    Ok(Some(pb::AgentMessage {
-                        kind: Some(agent_message::Kind::Status(report)),
-                    })) => {
-                        let Some(k) = key(report.key.clone()) else {
-                            continue;
-                        };
-                        if dispatcher.report(&cluster, &k, report.exists) {
-                            status.report(&cluster, &k, report);
-                        } else {
-                            warn!(%cluster, app = %k, "status for a MyApp not placed on this cluster ignored");
-                        }
-                    }
-                    Ok(Some(pb::AgentMessage {
-                        kind: Some(agent_message::Kind::Heartbeat(_)),
-                    })) => membership.heartbeat(&cluster),
-                    Ok(Some(_)) => warn!(%cluster, "unexpected message ignored"),
-                    Ok(None) => break,
-                    Err(e) => {
-                        info!(%cluster, error = %e, "agent stream ended");
-                        break;
-                    }
-                }
-            }
-            queue.closed.cancel();
-            dispatcher.disconnect(&queue);
-            status.touch_cluster(&cluster);
-            info!(%cluster, "agent disconnected");
-        });
+        ));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
+}
+
+/// Drains the session's queue into the stream until the session is closed.
+async fn send_loop(
+    q: Arc<ClusterQueue>,
+    dispatcher: Arc<Dispatcher>,
+    members: Store<MemberCluster>,
+    tx: mpsc::Sender<Result<pb::HubMessage, Status>>,
+) {
+    loop {
+        let batch = tokio::select! {
+            // Closing wins over pending messages: nothing is sent on a session that was
+            // closed (revoked, cluster removed, hub stopping).
+            biased;
+            _ = q.closed.cancelled() => {
+                let why = if auth::revoked(&members, &q.identity) {
+                    Status::unauthenticated(format!("credential for cluster {:?} was revoked", q.cluster()))
+                } else {
+                    Status::unavailable("the hub closed the session; reconnect")
+                };
+                let _ = tx.send(Err(why)).await;
+                return;
+            }
+            batch = q.next_batch(BATCH) => batch,
+        };
+        for message in batch {
+            dispatcher.metrics.sent(q.cluster(), &message);
+            if tx.send(Ok(message)).await.is_err() {
+                return;
+            }
+        }
+        dispatcher.metrics.queue_depth(q.cluster(), q.depth());
+    }
+}
+
+/// Carries the agent's reports and heartbeats until its stream ends or the session is
+/// closed.
+async fn receive_loop(
+    queue: Arc<ClusterQueue>,
+    mut inbound: Streaming<pb::AgentMessage>,
+    dispatcher: Arc<Dispatcher>,
+    status: Arc<StatusBoard>,
+    membership: Arc<Membership>,
+) {
+    let cluster = queue.cluster().to_owned();
+    loop {
+        let message = tokio::select! {
+            _ = queue.closed.cancelled() => break,
+            m = inbound.message() => m,
+        };
+        match message {
+            Ok(Some(pb::AgentMessage {
+                kind: Some(agent_message::Kind::Status(report)),
+            })) => {
+                let Some(key) = AppKey::from_wire(report.key.clone()) else {
+                    continue;
+                };
+                let report = Report::from(report);
+                if dispatcher.report(&queue, &key, report.held()) {
+                    status.report(&cluster, &key, report);
+                } else {
+                    warn!(%cluster, app = %key, "status for a MyApp not placed on this cluster, or from a replaced session, ignored");
+                }
+            }
+            Ok(Some(pb::AgentMessage {
+                kind: Some(agent_message::Kind::Heartbeat(_)),
+            })) => membership.heartbeat(&cluster),
+            Ok(Some(pb::AgentMessage {
+                kind: Some(agent_message::Kind::CollectionBlocked(b)),
+            })) => {
+                warn!(%cluster, would_collect = b.would_collect, managed = b.managed, "the agent's circuit breaker holds back orphan collection");
+                dispatcher
+                    .metrics
+                    .collection_blocked(&cluster, b.would_collect);
+                membership.collection_blocked(&cluster, b.would_collect, b.managed);
+            }
+            Ok(Some(_)) => warn!(%cluster, "unexpected message ignored"),
+            Ok(None) => break,
+            Err(e) => {
+                info!(%cluster, error = %e, "agent stream ended");
+                break;
+            }
+        }
+    }
+    dispatcher.disconnect(&queue);
+    if dispatcher.sessions().iter().all(|q| q.cluster() != cluster) {
+        status.disconnected(&cluster);
+    }
+    info!(%cluster, "agent disconnected");
 }

@@ -2,13 +2,17 @@
 //!
 //! Reports land on a board in memory; a writer patches each FederatedMyApp whose status
 //! changed at most once per window, however many reports arrived, so that the host
-//! apiserver sees one write per app per window rather than one per report.
+//! apiserver sees one write per app per window rather than one per report. The board
+//! also knows which clusters have a live agent session: it hears every connect and
+//! disconnect.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
+use flotilla_common::coalesce::Pending;
 use flotilla_crds::FederatedMyApp;
+use flotilla_crds::condition;
 use flotilla_crds::federated::{ClusterStatus, FederatedMyAppStatus};
 use flotilla_proto::v1 as pb;
 use futures::StreamExt;
@@ -17,11 +21,12 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::{ObjectRef, Store};
-use tokio::sync::Notify;
+use parking_lot::Mutex;
+use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::index::AppKey;
+use crate::index::{AppKey, Held};
 
 /// How one cluster's rendering of an app came out.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,11 +49,90 @@ pub struct Plan {
     pub deleting_on: Option<Vec<String>>,
 }
 
+/// What an agent last said about one MyApp: the wire's `StatusReport`, as the hub
+/// reads it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Report {
+    /// The content hash of the MyApp the status belongs to.
+    pub hash: String,
+    pub exists: bool,
+    pub ready: bool,
+    pub ready_replicas: i32,
+    pub observed_generation: i64,
+    pub generation: i64,
+    /// The MyApp's `Degraded` condition, when True: reason and message.
+    pub degraded: Option<(String, String)>,
+    /// Why the agent could not apply (or remove) it; it retries by itself.
+    pub apply_error: Option<String>,
+}
+
+impl From<pb::StatusReport> for Report {
+    fn from(r: pb::StatusReport) -> Self {
+        let degraded = r
+            .conditions
+            .into_iter()
+            .find(|c| c.r#type == "Degraded" && c.status == "True")
+            .map(|c| (c.reason, c.message));
+        Self {
+            hash: r.hash,
+            exists: r.exists,
+            ready: r.ready,
+            ready_replicas: r.ready_replicas,
+            observed_generation: r.observed_generation,
+            generation: r.generation,
+            degraded,
+            apply_error: Some(r.apply_error).filter(|e| !e.is_empty()),
+        }
+    }
+}
+
+impl Report {
+    pub fn held(&self) -> Held {
+        match (&self.apply_error, self.exists) {
+            (Some(_), _) => Held::Failed,
+            (None, true) => Held::Present,
+            (None, false) => Held::Absent,
+        }
+    }
+
+    fn not_ready_reason(&self) -> String {
+        if self.observed_generation < self.generation {
+            return "the operator has not observed the latest spec yet".into();
+        }
+        match &self.degraded {
+            Some((reason, message)) => format!("{reason}: {message}"),
+            None => format!("{} replica(s) ready", self.ready_replicas),
+        }
+    }
+}
+
+/// Why a cluster's MyApp is not propagated, most urgent first: errors a user must fix
+/// before states that pass by themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Reason {
+    RenderFailed,
+    ApplyFailed,
+    AgentDisconnected,
+    Pending,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::RenderFailed => "RenderFailed",
+            Reason::ApplyFailed => "ApplyFailed",
+            Reason::AgentDisconnected => "AgentDisconnected",
+            Reason::Pending => "Pending",
+        }
+    }
+}
+
 /// Everything the status of one app is computed from.
 pub struct Inputs<'a> {
     pub plan: &'a Plan,
-    pub reports: Option<&'a BTreeMap<String, pb::StatusReport>>,
-    pub connected: &'a dyn Fn(&str) -> bool,
+    pub reports: Option<&'a BTreeMap<String, Report>>,
+    /// Clusters with a live agent session.
+    pub connected: &'a HashSet<String>,
 }
 
 /// The status as a pure function of the inputs; `previous` keeps condition transition
@@ -61,7 +145,7 @@ pub fn compute(
     let plan = inputs.plan;
     let mut clusters = Vec::new();
     let (mut placed, mut ready_count) = (0, 0);
-    let mut not_propagated: Vec<(String, &'static str, String)> = Vec::new();
+    let mut not_propagated: Vec<(String, Reason, String)> = Vec::new();
     let mut not_ready: Vec<String> = Vec::new();
     for (name, outcome) in &plan.clusters {
         let report = inputs.reports.and_then(|r| r.get(name));
@@ -73,106 +157,102 @@ pub fn compute(
             entry.ready_replicas = r.ready_replicas;
             entry.observed_generation = Some(r.observed_generation);
         }
-        let (reason, message) = match outcome {
-            Outcome::Failed { message } => (Some("RenderFailed"), message.clone()),
+        let problem = match outcome {
+            Outcome::Failed { message } => Some((Reason::RenderFailed, message.clone())),
             Outcome::Rendered { hash } => {
                 placed += 1;
                 match report {
-                    _ if !(inputs.connected)(name) => (Some("AgentDisconnected"), "the cluster's agent is not connected; its last applied MyApp keeps running".to_owned()),
-                    Some(r) if !r.apply_error.is_empty() => (Some("ApplyFailed"), format!("applying the MyApp failed: {}", r.apply_error)),
+                    _ if !inputs.connected.contains(name) => Some((
+                        Reason::AgentDisconnected,
+                        "the cluster's agent is not connected; its last applied MyApp keeps running".to_owned(),
+                    )),
+                    Some(Report { apply_error: Some(e), .. }) => Some((
+                        Reason::ApplyFailed,
+                        format!("applying the MyApp failed (the agent retries): {e}"),
+                    )),
                     Some(r) if r.exists && &r.hash == hash => {
                         entry.ready = r.ready && r.observed_generation >= r.generation;
                         if entry.ready {
                             ready_count += 1;
                         } else {
-                            not_ready.push(format!("{name}: {}", not_ready_reason(r)));
+                            entry.message = r.not_ready_reason();
+                            not_ready.push(format!("{name}: {}", entry.message));
                         }
-                        entry.message = if entry.ready { String::new() } else { not_ready_reason(r) };
-                        (None, String::new())
+                        None
                     }
-                    _ => (Some("Pending"), "waiting for the agent to apply the latest version".to_owned()),
+                    _ => Some((
+                        Reason::Pending,
+                        "waiting for the agent to apply the latest version".to_owned(),
+                    )),
                 }
             }
         };
-        if let Some(reason) = reason {
+        if let Some((reason, message)) = problem {
             entry.message = message.clone();
             not_propagated.push((name.clone(), reason, message));
         }
         clusters.push(entry);
     }
+    let generation = plan.generation;
+    let cond = |type_: &str, ok: bool, reason: &str, message: String| {
+        condition::new(type_, ok, reason, message, generation, now)
+    };
     let propagated = match (&plan.placement_error, &plan.deleting_on) {
-        (_, Some(waiting)) => condition(
+        (_, Some(waiting)) => cond(
             "Propagated",
             false,
             "Deleting",
-            &format!("waiting for {} to confirm deletion", list_or_none(waiting)),
-            now,
+            format!("waiting for {} to confirm deletion", list_or_none(waiting)),
         ),
-        (Some(e), _) => condition("Propagated", false, "InvalidPlacement", e, now),
-        (None, None) if not_propagated.is_empty() => condition(
-            "Propagated",
-            true,
-            "Propagated",
-            &format!("applied on {placed} cluster(s)"),
-            now,
-        ),
-        (None, None) => {
-            let reason = not_propagated
-                .iter()
-                .map(|(_, r, _)| *r)
-                .min_by_key(|r| severity(r))
-                .unwrap_or("Pending");
-            let message = not_propagated
-                .iter()
-                .map(|(c, _, m)| format!("{c}: {m}"))
-                .collect::<Vec<_>>()
-                .join("; ");
-            condition("Propagated", false, reason, &message, now)
-        }
+        (Some(e), _) => cond("Propagated", false, "InvalidPlacement", e.clone()),
+        (None, None) => match not_propagated.iter().map(|(_, r, _)| *r).min() {
+            None => cond(
+                "Propagated",
+                true,
+                "Propagated",
+                format!("applied on {placed} cluster(s)"),
+            ),
+            Some(reason) => {
+                let message = not_propagated
+                    .iter()
+                    .map(|(c, _, m)| format!("{c}: {m}"))
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                cond("Propagated", false, reason.as_str(), message)
+            }
+        },
     };
     let ready = if placed == 0 {
-        condition(
+        cond(
             "Ready",
             false,
             "NoClusters",
-            "the placement selects no registered cluster",
-            now,
+            "the placement selects no registered cluster".into(),
         )
     } else if ready_count == placed {
-        condition(
+        cond(
             "Ready",
             true,
             "Ready",
-            &format!("ready on all {placed} cluster(s)"),
-            now,
+            format!("ready on all {placed} cluster(s)"),
         )
     } else {
         let mut message = format!("{ready_count} of {placed} cluster(s) ready");
         if !not_ready.is_empty() {
             message = format!("{message}; {}", not_ready.join("; "));
         }
-        condition("Ready", false, "NotReady", &message, now)
+        cond("Ready", false, "NotReady", message)
     };
-    let conditions = [propagated, ready]
-        .into_iter()
-        .map(|c| keep_transition_time(c, previous))
-        .collect();
+    let before: &[Condition] = previous.map_or(&[], |p| &p.conditions);
     FederatedMyAppStatus {
         observed_generation: plan.generation,
-        conditions,
+        conditions: [propagated, ready]
+            .into_iter()
+            .map(|c| condition::settle(c, before))
+            .collect(),
         placed_clusters: placed,
         ready_clusters: ready_count,
         clusters,
-    }
-}
-
-/// The first reason a user should act on: errors before waiting.
-fn severity(reason: &str) -> u8 {
-    match reason {
-        "RenderFailed" => 0,
-        "ApplyFailed" => 1,
-        "AgentDisconnected" => 2,
-        _ => 3,
     }
 }
 
@@ -184,58 +264,37 @@ fn list_or_none(names: &[String]) -> String {
     }
 }
 
-fn not_ready_reason(r: &pb::StatusReport) -> String {
-    if r.observed_generation < r.generation {
-        return "the operator has not observed the latest spec yet".into();
+/// The merge patch that makes `status` the object's status: lists that became empty are
+/// cleared (they are left out when serialized, which a merge patch would read as "keep").
+pub fn status_patch(status: &impl serde::Serialize, lists: &[&str]) -> Value {
+    let mut value = serde_json::to_value(status).expect("a status serializes");
+    if let Value::Object(map) = &mut value {
+        for list in lists {
+            map.entry(*list).or_insert(Value::Null);
+        }
     }
-    let degraded = r
-        .conditions
-        .iter()
-        .find(|c| c.r#type == "Degraded" && c.status == "True");
-    match degraded {
-        Some(c) => format!("{}: {}", c.reason, c.message),
-        None => format!("{} replica(s) ready", r.ready_replicas),
-    }
-}
-
-fn condition(type_: &str, ok: bool, reason: &str, message: &str, now: &Time) -> Condition {
-    Condition {
-        type_: type_.into(),
-        status: if ok { "True" } else { "False" }.into(),
-        reason: reason.into(),
-        message: message.into(),
-        last_transition_time: now.clone(),
-        observed_generation: None,
-    }
-}
-
-fn keep_transition_time(mut c: Condition, previous: Option<&FederatedMyAppStatus>) -> Condition {
-    let before = previous.and_then(|p| p.conditions.iter().find(|p| p.type_ == c.type_));
-    if let Some(before) = before.filter(|b| b.status == c.status) {
-        c.last_transition_time = before.last_transition_time.clone();
-    }
-    c
+    serde_json::json!({ "status": value })
 }
 
 #[derive(Default)]
 struct Board {
     plans: HashMap<AppKey, Plan>,
-    reports: HashMap<AppKey, BTreeMap<String, pb::StatusReport>>,
-    dirty: HashSet<AppKey>,
+    reports: HashMap<AppKey, BTreeMap<String, Report>>,
+    connected: HashSet<String>,
 }
 
 /// Plans and reports of every app, and the apps whose status must be rewritten.
 #[derive(Default)]
 pub struct StatusBoard {
     board: Mutex<Board>,
-    wake: Notify,
+    dirty: Pending<AppKey>,
 }
 
 impl StatusBoard {
     /// Records the plan; true when its errors differ from the previous plan's (worth an
     /// Event).
     pub fn set_plan(&self, key: &AppKey, plan: Plan) -> bool {
-        let mut b = self.lock();
+        let mut b = self.board.lock();
         let errors = |p: &Plan| {
             let failed = p
                 .clusters
@@ -250,49 +309,80 @@ impl StatusBoard {
         };
         let changed = errors(b.plans.get(key).unwrap_or(&Plan::default())) != errors(&plan);
         b.plans.insert(key.clone(), plan);
-        self.mark(b, key);
+        drop(b);
+        self.dirty.mark(key.clone());
         changed
     }
 
-    pub fn report(&self, cluster: &str, key: &AppKey, report: pb::StatusReport) {
-        let mut b = self.lock();
+    pub fn report(&self, cluster: &str, key: &AppKey, report: Report) {
+        let mut b = self.board.lock();
         let reports = b.reports.entry(key.clone()).or_default();
         if reports.get(cluster) == Some(&report) {
             return;
         }
         reports.insert(cluster.to_owned(), report);
-        self.mark(b, key);
+        drop(b);
+        self.dirty.mark(key.clone());
     }
 
-    /// A cluster connected or went away: every app placed there may read differently.
-    pub fn touch_cluster(&self, cluster: &str) {
-        let mut b = self.lock();
+    pub fn connected(&self, cluster: &str) {
+        self.connectivity(cluster, true);
+    }
+
+    pub fn disconnected(&self, cluster: &str) {
+        self.connectivity(cluster, false);
+    }
+
+    /// Every app placed on the cluster may read differently now.
+    fn connectivity(&self, cluster: &str, up: bool) {
+        let mut b = self.board.lock();
+        let changed = if up {
+            b.connected.insert(cluster.to_owned())
+        } else {
+            b.connected.remove(cluster)
+        };
+        if !changed {
+            return;
+        }
         let keys: Vec<AppKey> = b
             .plans
             .iter()
             .filter(|(_, p)| p.clusters.contains_key(cluster))
             .map(|(k, _)| k.clone())
             .collect();
-        b.dirty.extend(keys);
         drop(b);
-        self.wake.notify_one();
+        self.dirty.mark_all(keys);
     }
 
     pub fn forget(&self, key: &AppKey) {
-        let mut b = self.lock();
+        let mut b = self.board.lock();
         b.plans.remove(key);
         b.reports.remove(key);
-        b.dirty.remove(key);
+        self.dirty.forget(key);
     }
 
-    fn mark(&self, mut b: MutexGuard<'_, Board>, key: &AppKey) {
-        b.dirty.insert(key.clone());
-        drop(b);
-        self.wake.notify_one();
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Board> {
-        self.board.lock().unwrap_or_else(|p| p.into_inner())
+    /// The statuses that differ from what the apps show.
+    fn changed(
+        &self,
+        keys: Vec<AppKey>,
+        apps: &Store<FederatedMyApp>,
+    ) -> Vec<(AppKey, FederatedMyAppStatus)> {
+        let now = Time(Timestamp::now());
+        let b = self.board.lock();
+        keys.into_iter()
+            .filter_map(|key| {
+                let plan = b.plans.get(&key)?;
+                let current = apps.get(&ObjectRef::new(&key.name).within(&key.namespace))?;
+                let previous = current.status.as_ref();
+                let inputs = Inputs {
+                    plan,
+                    reports: b.reports.get(&key),
+                    connected: &b.connected,
+                };
+                let status = compute(&inputs, previous, &now);
+                (previous != Some(&status)).then_some((key, status))
+            })
+            .collect()
     }
 
     /// Patches the status of changed apps, one patch per app per `window`, until
@@ -301,43 +391,18 @@ impl StatusBoard {
         self: Arc<Self>,
         client: kube::Client,
         apps: Store<FederatedMyApp>,
-        connected: Arc<dyn Fn(&str) -> bool + Send + Sync>,
         window: Duration,
         shutdown: CancellationToken,
-    ) {
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = self.wake.notified() => {}
-            }
-            tokio::time::sleep(window).await;
-            let now = Time(Timestamp::now());
-            let patches: Vec<(AppKey, FederatedMyAppStatus)> = {
-                let mut b = self.lock();
-                let dirty: Vec<AppKey> = b.dirty.drain().collect();
-                dirty
-                    .into_iter()
-                    .filter_map(|key| {
-                        let plan = b.plans.get(&key)?;
-                        let current =
-                            apps.get(&ObjectRef::new(&key.name).within(&key.namespace))?;
-                        let previous = current.status.as_ref();
-                        let inputs = Inputs {
-                            plan,
-                            reports: b.reports.get(&key),
-                            connected: &*connected,
-                        };
-                        let status = compute(&inputs, previous, &now);
-                        (previous != Some(&status)).then_some((key, status))
-                    })
-                    .collect()
-            };
+    ) -> anyhow::Result<()> {
+        while let Some(keys) = self.dirty.take(window, None, &shutdown).await {
+            let patches = self.changed(keys, &apps);
             let board = &self;
             futures::stream::iter(patches)
                 .for_each_concurrent(8, |(key, status)| {
                     let api: Api<FederatedMyApp> = Api::namespaced(client.clone(), &key.namespace);
                     async move {
-                        let patch = Patch::Merge(serde_json::json!({ "status": status }));
+                        let patch =
+                            Patch::Merge(status_patch(&status, &["clusters", "conditions"]));
                         match api
                             .patch_status(&key.name, &PatchParams::default(), &patch)
                             .await
@@ -348,14 +413,14 @@ impl StatusBoard {
                             Err(kube::Error::Api(e)) if e.code == 404 => {}
                             Err(e) => {
                                 warn!(app = %key, error = %e, "writing status failed; retrying");
-                                board.lock().dirty.insert(key);
-                                board.wake.notify_one();
+                                board.dirty.mark(key);
                             }
                         }
                     }
                 })
                 .await;
         }
+        Ok(())
     }
 }
 
@@ -371,8 +436,8 @@ mod tests {
         Outcome::Rendered { hash: h.into() }
     }
 
-    fn report(hash: &str, ready: bool, replicas: i32) -> pb::StatusReport {
-        pb::StatusReport {
+    fn report(hash: &str, ready: bool, replicas: i32) -> Report {
+        Report {
             hash: hash.into(),
             exists: true,
             ready,
@@ -394,16 +459,12 @@ mod tests {
         }
     }
 
-    fn run(
-        plan: &Plan,
-        reports: &[(&str, pb::StatusReport)],
-        connected: &[&str],
-    ) -> FederatedMyAppStatus {
-        let reports: BTreeMap<String, pb::StatusReport> = reports
+    fn run(plan: &Plan, reports: &[(&str, Report)], connected: &[&str]) -> FederatedMyAppStatus {
+        let reports: BTreeMap<String, Report> = reports
             .iter()
             .map(|(c, r)| ((*c).into(), r.clone()))
             .collect();
-        let connected = |c: &str| connected.contains(&c);
+        let connected = connected.iter().map(|c| c.to_string()).collect();
         compute(
             &Inputs {
                 plan,
@@ -486,7 +547,7 @@ mod tests {
     fn disconnected_agent_and_apply_errors_are_named() {
         let p = plan(&[("c1", rendered("h1")), ("c2", rendered("h2"))]);
         let mut failed = report("h2", false, 0);
-        failed.apply_error = "admission webhook denied".into();
+        failed.apply_error = Some("admission webhook denied".into());
         let s = run(
             &p,
             &[("c1", report("h1", true, 3)), ("c2", failed)],
@@ -500,12 +561,27 @@ mod tests {
     #[test]
     fn not_ready_explains_why() {
         let p = plan(&[("c1", rendered("h1"))]);
-        let mut r = report("h1", false, 1);
-        r.conditions.push(pb::Condition {
-            r#type: "Degraded".into(),
-            status: "True".into(),
-            reason: "ImageMissing".into(),
-            message: "spec.image is not set".into(),
+        let r = Report::from(pb::StatusReport {
+            hash: "h1".into(),
+            exists: true,
+            ready_replicas: 1,
+            observed_generation: 1,
+            generation: 1,
+            conditions: vec![
+                pb::Condition {
+                    r#type: "Degraded".into(),
+                    status: "False".into(),
+                    reason: "AsExpected".into(),
+                    message: String::new(),
+                },
+                pb::Condition {
+                    r#type: "Degraded".into(),
+                    status: "True".into(),
+                    reason: "ImageMissing".into(),
+                    message: "spec.image is not set".into(),
+                },
+            ],
+            ..Default::default()
         });
         let s = run(&p, &[("c1", r)], &["c1"]);
         assert_eq!(
@@ -537,9 +613,8 @@ mod tests {
         let p = plan(&[("c1", rendered("h1"))]);
         let first = run(&p, &[("c1", report("h1", true, 3))], &["c1"]);
         let later = Time(Timestamp::from_second(1_800_000_000).unwrap());
-        let reports: BTreeMap<String, pb::StatusReport> =
-            [("c1".to_owned(), report("h1", true, 3))].into();
-        let connected = |_: &str| true;
+        let reports: BTreeMap<String, Report> = [("c1".to_owned(), report("h1", true, 3))].into();
+        let connected: HashSet<String> = ["c1".to_owned()].into();
         let inputs = Inputs {
             plan: &p,
             reports: Some(&reports),
@@ -586,5 +661,80 @@ mod tests {
                 }
             )])
         ));
+    }
+
+    #[test]
+    fn reasons_order_by_urgency() {
+        assert!(Reason::RenderFailed < Reason::ApplyFailed);
+        assert!(Reason::ApplyFailed < Reason::AgentDisconnected);
+        assert!(Reason::AgentDisconnected < Reason::Pending);
+        let p = plan(&[("c1", rendered("h1")), ("c2", rendered("h2"))]);
+        let s = run(&p, &[("c1", report("old", true, 1))], &["c1"]);
+        assert_eq!(cond(&s, "Propagated").reason, "AgentDisconnected");
+    }
+
+    #[test]
+    fn reports_read_as_held_present_absent_or_failed() {
+        let r = |exists: bool, error: &str| {
+            Report::from(pb::StatusReport {
+                exists,
+                apply_error: error.into(),
+                ..Default::default()
+            })
+            .held()
+        };
+        assert_eq!(r(true, ""), Held::Present);
+        assert_eq!(r(false, ""), Held::Absent);
+        assert_eq!(r(false, "namespace \"x\" not found"), Held::Failed);
+        assert_eq!(r(true, "webhook denied"), Held::Failed);
+    }
+
+    #[test]
+    fn an_apply_error_clears_when_a_good_report_follows() {
+        let p = plan(&[("c1", rendered("h1"))]);
+        let mut failed = report("h1", false, 0);
+        failed.apply_error = Some("namespace \"team\" not found".into());
+        let s = run(&p, &[("c1", failed)], &["c1"]);
+        assert_eq!(cond(&s, "Propagated").reason, "ApplyFailed");
+        let s = run(&p, &[("c1", report("h1", true, 1))], &["c1"]);
+        assert_eq!(cond(&s, "Propagated").status, "True");
+        assert!(s.clusters[0].message.is_empty());
+    }
+
+    #[test]
+    fn conditions_carry_the_observed_generation() {
+        let s = run(&plan(&[("c1", rendered("h1"))]), &[], &["c1"]);
+        assert!(
+            s.conditions
+                .iter()
+                .all(|c| c.observed_generation == Some(4))
+        );
+    }
+
+    #[test]
+    fn an_empty_cluster_list_is_cleared_by_the_patch() {
+        let s = run(&plan(&[]), &[], &[]);
+        let patch = status_patch(&s, &["clusters", "conditions"]);
+        assert_eq!(patch["status"]["clusters"], Value::Null);
+        assert!(
+            patch["status"]
+                .as_object()
+                .unwrap()
+                .contains_key("clusters")
+        );
+        assert!(patch["status"]["conditions"].is_array());
+    }
+
+    #[test]
+    fn the_board_tracks_connectivity_and_marks_placed_apps() {
+        let board = StatusBoard::default();
+        let key = AppKey::new("ns", "a");
+        board.set_plan(&key, plan(&[("c1", rendered("h1"))]));
+        board.dirty.forget(&key);
+        board.connected("c1");
+        assert!(board.board.lock().connected.contains("c1"));
+        board.disconnected("c1");
+        board.disconnected("c1");
+        assert!(board.board.lock().connected.is_empty());
     }
 }

@@ -1,7 +1,12 @@
-//! The hub–agent wire protocol, `flotilla.federation.v1` (see `proto/federation.proto`).
+//! The hub–agent wire protocol, `flotilla.federation.v1` (see `proto/federation.proto`),
+//! the object key both sides index by, and the one way an agent dials the hub.
 
-#![allow(clippy::all)]
+pub mod client;
+mod key;
 
+pub use key::AppKey;
+
+#[allow(clippy::all)]
 pub mod v1 {
     tonic::include_proto!("flotilla.federation.v1");
 }

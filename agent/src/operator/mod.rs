@@ -95,6 +95,18 @@ pub enum Error {
     Status(#[source] kube::Error),
 }
 
+impl Error {
+    /// The error's class, as the `error` label of the errors metric.
+    fn kind(&self) -> &'static str {
+        match self {
+            Error::Build(_) => "build",
+            Error::Apply { .. } => "apply",
+            Error::Read { .. } => "read",
+            Error::Status(_) => "status",
+        }
+    }
+}
+
 struct Context {
     client: Client,
     recorder: Recorder,
@@ -188,9 +200,12 @@ where
 }
 
 async fn reconcile(app: Arc<MyApp>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let timer = ctx.metrics.reconcile(CONTROLLER);
+    let mut timer = ctx.metrics.reconcile(CONTROLLER);
     let result = reconcile_app(&app, &ctx).await;
-    timer.done(result.is_ok());
+    match &result {
+        Ok(_) => timer.succeeded(),
+        Err(e) => timer.failed(e.kind()),
+    }
     if let Err(e) = &result {
         ctx.event(
             &app,

@@ -192,19 +192,15 @@ pub fn compute(
     ]
     .into_iter()
     .map(|c| {
-        let last_transition_time = previous
-            .iter()
-            .find(|p| p.type_ == c.type_ && p.status == c.status)
-            .map(|p| p.last_transition_time.clone())
-            .unwrap_or(Time(now));
-        Condition {
+        let computed = Condition {
             type_: c.type_.into(),
             status: c.status,
             reason: c.reason,
             message: truncate(c.message),
             observed_generation: generation,
-            last_transition_time,
-        }
+            last_transition_time: Time(now),
+        };
+        flotilla_crds::condition::settle(computed, previous)
     })
     .collect();
     MyAppStatus {
