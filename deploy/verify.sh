@@ -65,6 +65,7 @@ if [ ! -s "$PROM_CRDS/monitoring.coreos.com_servicemonitors.yaml" ]; then
   printf 'module flotilla.local/promcrds\n\ngo 1.24\n' >"$mod/go.mod"
   printf '//go:build tools\n\npackage tools\n\nimport _ "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"\n' >"$mod/tools.go"
   (cd "$mod" && GOFLAGS=-mod=mod go get "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring@$PROMETHEUS_OPERATOR_VERSION" >/dev/null 2>&1 \
+    && GOFLAGS=-mod=mod go mod tidy >/dev/null 2>&1 \
     && "$CONTROLLER_GEN" crd:maxDescLen=0 paths=github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1 output:crd:dir="$WORK/promcrds-out")
   mkdir -p "$PROM_CRDS"
   cp "$WORK"/promcrds-out/*.yaml "$PROM_CRDS/"
