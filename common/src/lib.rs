@@ -1,8 +1,10 @@
 //! What the hub and the agent both run beside their own work: `/healthz`, `/readyz` and
 //! `/metrics` (`http`), controller-runtime metric names (`metrics`), logs (`telemetry`)
-//! one shutdown signal (`shutdown`), and a private CA for TLS endpoints (`tls`).
+//! one shutdown signal (`shutdown`), a private CA for TLS endpoints (`tls`), and the
+//! `--kubeconfig`/`--context` flags (`kubeconfig`).
 
 pub mod http;
+pub mod kubeconfig;
 pub mod metrics;
 pub mod shutdown;
 pub mod telemetry;
