@@ -125,7 +125,7 @@ for bad in "--set agent.enabled=true --set agent.cluster=" "--set agent.enabled=
     echo "helm template accepted: $bad" >&2
     exit 1
   fi
-  sed 's/^/  refused as expected: /' "$WORK/err" | head -1
+  grep -m1 "Error" "$WORK/err" | sed 's/^/  refused as expected: /'
 done
 
 # --- alerts --------------------------------------------------------------------------
