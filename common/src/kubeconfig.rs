@@ -133,7 +133,7 @@ contexts:
             kubeconfig: Some(path.clone()),
             context: Some("nope".into()),
         };
-        let e = unknown.client().await.unwrap_err().to_string();
+        let e = unknown.config().await.unwrap_err().to_string();
         assert!(
             e.contains("nope") && e.contains(&path.display().to_string()),
             "{e}"
@@ -142,14 +142,14 @@ contexts:
             kubeconfig: Some("/nonexistent/kubeconfig".into()),
             context: None,
         };
-        let e = missing.client().await.unwrap_err().to_string();
+        let e = missing.config().await.unwrap_err().to_string();
         assert!(e.contains("/nonexistent/kubeconfig"), "{e}");
         let (garbage, _rm2) = write("{not: [yaml");
         let e = KubeArgs {
             kubeconfig: Some(garbage.clone()),
             context: None,
         }
-        .client()
+        .config()
         .await
         .unwrap_err()
         .to_string();

@@ -436,7 +436,8 @@ mod tests {
 
     #[test]
     fn bad_inputs_are_refused_naming_the_field() {
-        let cases: Vec<(fn(&mut MemberInstall), &str)> = vec![
+        type Break = fn(&mut MemberInstall);
+        let cases: Vec<(Break, &str)> = vec![
             (|i| i.cluster = String::new(), "cluster name \"\""),
             (|i| i.cluster = "Paris".into(), "cluster name \"Paris\""),
             (|i| i.cluster = "a/b".into(), "DNS-1123"),
