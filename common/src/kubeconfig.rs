@@ -96,7 +96,8 @@ contexts:
   context: {cluster: b, user: u}
 "#;
 
-    fn write(contents: &str) -> (PathBuf, impl Drop) {
+    /// A kubeconfig file unique to `name` (tests run in parallel), removed on drop.
+    fn write(name: &str, contents: &str) -> (PathBuf, impl Drop) {
         struct Remove(PathBuf);
         impl Drop for Remove {
             fn drop(&mut self) {
@@ -104,9 +105,8 @@ contexts:
             }
         }
         let path = std::env::temp_dir().join(format!(
-            "flotilla-kubeconfig-test-{}-{}",
-            std::process::id(),
-            contents.len()
+            "flotilla-kubeconfig-test-{}-{name}",
+            std::process::id()
         ));
         std::fs::write(&path, contents).unwrap();
         (path.clone(), Remove(path))
@@ -114,7 +114,7 @@ contexts:
 
     #[tokio::test]
     async fn the_named_context_picks_its_cluster() {
-        let (path, _rm) = write(KUBECONFIG);
+        let (path, _rm) = write("contexts", KUBECONFIG);
         let url = |context: Option<&str>| {
             let args = KubeArgs {
                 kubeconfig: Some(path.clone()),
@@ -128,7 +128,7 @@ contexts:
 
     #[tokio::test]
     async fn errors_name_the_file_and_the_context() {
-        let (path, _rm) = write(KUBECONFIG);
+        let (path, _rm) = write("errors", KUBECONFIG);
         let unknown = KubeArgs {
             kubeconfig: Some(path.clone()),
             context: Some("nope".into()),
@@ -144,7 +144,7 @@ contexts:
         };
         let e = missing.config().await.unwrap_err().to_string();
         assert!(e.contains("/nonexistent/kubeconfig"), "{e}");
-        let (garbage, _rm2) = write("{not: [yaml");
+        let (garbage, _rm2) = write("garbage", "{not: [yaml");
         let e = KubeArgs {
             kubeconfig: Some(garbage.clone()),
             context: None,
