@@ -15,6 +15,7 @@ use crate::session::{self, SessionConfig};
 use crate::webhook::crd::Endpoint;
 use crate::webhook::{WebhookConfig, run_webhook};
 use flotilla_common::http::{self, Readiness};
+use flotilla_common::kubeconfig::KubeArgs;
 use flotilla_common::metrics::Metrics;
 use flotilla_common::{shutdown, telemetry};
 
@@ -28,6 +29,8 @@ pub struct Cli {
     /// Log one JSON object per line instead of human-readable text.
     #[arg(long, global = true)]
     pub log_json: bool,
+    #[command(flatten)]
+    pub kube: KubeArgs,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -39,6 +42,13 @@ pub enum Command {
     Run(RunArgs),
     /// Run the MyApp operator (and its conversion webhook) without a hub.
     Operator(OperatorArgs),
+    /// Print the version.
+    Version,
+    /// Print a shell completion script, e.g. `flotilla-agent completion bash`.
+    Completion {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -179,23 +189,43 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
-    telemetry::init(cli.log_json);
     match cli.command {
-        Command::Operator(args) => serve(args, None).await,
+        Command::Version => {
+            println!("flotilla-agent {}", env!("CARGO_PKG_VERSION"));
+            Ok(())
+        }
+        Command::Completion { shell } => {
+            use clap::CommandFactory;
+            let mut command = Cli::command();
+            clap_complete::generate(
+                shell,
+                &mut command,
+                "flotilla-agent",
+                &mut std::io::stdout(),
+            );
+            Ok(())
+        }
+        Command::Operator(args) => {
+            telemetry::init(cli.log_json);
+            serve(&cli.kube, args, None).await
+        }
         Command::Run(args) => {
+            telemetry::init(cli.log_json);
             let session = args.session_config()?;
-            serve(args.operator, Some(session)).await
+            serve(&cli.kube, args.operator, Some(session)).await
         }
     }
 }
 
 /// Runs the operator, the webhook and the HTTP endpoints, and with a session config the
 /// hub session too, until SIGTERM.
-async fn serve(args: OperatorArgs, session: Option<SessionConfig>) -> anyhow::Result<()> {
+async fn serve(
+    kube: &KubeArgs,
+    args: OperatorArgs,
+    session: Option<SessionConfig>,
+) -> anyhow::Result<()> {
     let shutdown = shutdown::on_signal().context("installing the SIGTERM handler")?;
-    let client = kube::Client::try_default()
-        .await
-        .context("connecting to Kubernetes")?;
+    let client = kube.client().await.context("connecting to Kubernetes")?;
     let metrics = Arc::new(Metrics::default());
     let readiness = Readiness::default();
     let operator_ready = readiness.gate("operator");
@@ -303,6 +333,32 @@ mod tests {
         assert!(
             Cli::try_parse_from(["flotilla-agent", "operator", "--webhook-cert", "c.pem"]).is_err()
         );
+    }
+
+    #[test]
+    fn kubeconfig_and_context_are_global() {
+        let cli = Cli::try_parse_from([
+            "flotilla-agent",
+            "operator",
+            "--kubeconfig",
+            "/k",
+            "--context",
+            "paris",
+        ])
+        .unwrap();
+        assert_eq!(cli.kube.kubeconfig, Some(PathBuf::from("/k")));
+        assert_eq!(cli.kube.context.as_deref(), Some("paris"));
+        let cli = Cli::try_parse_from(["flotilla-agent", "--context", "c", "version"]).unwrap();
+        assert!(matches!(cli.command, Command::Version));
+        assert_eq!(cli.kube.context.as_deref(), Some("c"));
+    }
+
+    #[test]
+    fn completion_takes_a_known_shell() {
+        for shell in ["bash", "zsh", "fish"] {
+            assert!(Cli::try_parse_from(["flotilla-agent", "completion", shell]).is_ok());
+        }
+        assert!(Cli::try_parse_from(["flotilla-agent", "completion", "cmd.exe"]).is_err());
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! What the hub and the agent both run beside their own work: `/healthz`, `/readyz` and
 //! `/metrics` (`http`), controller-runtime metric names (`metrics`), logs (`telemetry`),
 //! one shutdown signal (`shutdown`), task supervision (`supervise`), coalesced status
-//! writes (`coalesce`), and a private CA for TLS endpoints (`tls`).
+//! writes (`coalesce`), a private CA for TLS endpoints (`tls`), and the
+//! `--kubeconfig`/`--context` flags (`kubeconfig`).
 
 pub mod coalesce;
 pub mod http;
+pub mod kubeconfig;
 pub mod metrics;
 pub mod shutdown;
 pub mod supervise;

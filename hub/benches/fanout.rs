@@ -173,11 +173,14 @@ fn main() {
         let rss_index = rss_mib() - rss_before;
 
         dispatcher.planned_for(names.iter().cloned().collect());
+        // Held for the whole run: the server closes its sessions when leadership ends.
+        let (_leading, leading) = tokio::sync::watch::channel(true);
         let service = FederationService {
             dispatcher: dispatcher.clone(),
             status: Arc::new(StatusBoard::default()),
             membership: Arc::new(Membership::new(Duration::from_secs(60))),
             members: store,
+            leading,
         };
         let hub_addr = serve(service, &tls).await;
         let (delivered, hub_time) = run_agents(hub_addr, &tls, &tokens).await;

@@ -1,4 +1,5 @@
-//! Command line: `render` (offline preview) and `crds`; `run` and `join` drive the hub.
+//! Command line: `render` (offline preview), `crds`, `certs`, `version`, `completion`;
+//! `run` drives the hub; `join`, `revoke` and `unjoin` manage member clusters.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -9,6 +10,8 @@ use flotilla_crds::FederatedMyApp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 use serde_json::Value;
+
+use flotilla_common::kubeconfig::KubeArgs;
 
 use crate::placement::Members;
 use crate::render::{self, Rendered};
@@ -23,6 +26,9 @@ pub struct Cli {
     /// Log one JSON object per line instead of human-readable text.
     #[arg(long, global = true, env = "FLOTILLA_LOG_JSON")]
     pub log_json: bool,
+    /// The host cluster (for `run`, `join`, `revoke`, `unjoin`).
+    #[command(flatten)]
+    pub kube: KubeArgs,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -31,16 +37,26 @@ pub struct Cli {
 pub enum Command {
     /// Run the hub against the host cluster (kubeconfig or in-cluster config).
     Run(crate::run::RunArgs),
-    /// Register a member cluster (or rotate its credential) and issue its agent's token.
+    /// Register a member cluster and print its install (`kubectl apply -f` it in the
+    /// member); `--rotate` issues a new credential for a registered one.
     Join(JoinArgs),
     /// Revoke a member cluster's credential: its agent is disconnected and refused.
     Revoke(RevokeArgs),
+    /// Remove a member cluster: revoke its credential and delete its MemberCluster.
+    Unjoin(UnjoinArgs),
     /// Write a CA and a serving certificate for the hub's gRPC endpoint.
     Certs(CertsArgs),
     /// Preview, offline, exactly the MyApp each cluster would get.
     Render(RenderArgs),
     /// Print the CustomResourceDefinitions Flotilla installs.
     Crds,
+    /// Print the version.
+    Version,
+    /// Print a shell completion script, e.g. `flotilla-hub completion bash > /etc/bash_completion.d/flotilla-hub`.
+    Completion {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -182,17 +198,62 @@ pub fn parse_members(yaml: &str) -> anyhow::Result<Members> {
 pub struct JoinArgs {
     /// The member cluster's name (a DNS-1123 subdomain).
     pub name: String,
-    /// Labels for placement selectors, `key=value` (repeatable).
+    /// Labels for placement selectors, `key=value` (repeatable). On `--rotate`, these are
+    /// set and every other label is kept.
     #[arg(long = "label", short = 'l', value_parser = parse_label)]
     pub labels: Vec<(String, String)>,
-    /// Write the agent's token here (mode 0600) instead of standard output.
+    /// Issue a new credential for a registered cluster (the agent holding the old one is
+    /// disconnected); its labels are kept.
     #[arg(long)]
+    pub rotate: bool,
+    /// Where the member's agent dials the hub, HOST:PORT. Default: the external address
+    /// of the LoadBalancer Service flotilla-system/flotilla-hub.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub hub_address: Option<String>,
+    /// Name the agent verifies the hub's certificate against, when the certificate does
+    /// not name the --hub-address host.
+    #[arg(long)]
+    pub hub_server_name: Option<String>,
+    /// PEM of the CA of the hub's certificate. Default: `ca.crt` of the Secret
+    /// flotilla-system/flotilla-hub-tls on the host.
+    #[arg(long, value_name = "FILE")]
+    pub hub_ca_file: Option<PathBuf>,
+    /// The agent's image (default: deploy/base's).
+    #[arg(long)]
+    pub agent_image: Option<String>,
+    /// Write the member install here (mode 0600, it holds the credential) instead of
+    /// standard output.
+    #[arg(
+        short = 'o',
+        long = "output",
+        value_name = "FILE",
+        conflicts_with = "token_file"
+    )]
+    pub output: Option<PathBuf>,
+    /// Issue the token only and write it here (mode 0600), no install: for installs kept
+    /// elsewhere (deploy/overlays/member).
+    #[arg(long, value_name = "FILE")]
     pub token_file: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
 pub struct RevokeArgs {
     pub name: String,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct UnjoinArgs {
+    pub name: String,
+    /// Also delete, in the member, every MyApp Flotilla manages there (their Deployments
+    /// and ConfigMaps go with them). Needs --member-kubeconfig or --member-context.
+    #[arg(long)]
+    pub delete_workloads: bool,
+    /// Kubeconfig of the member cluster, for --delete-workloads.
+    #[arg(long, value_name = "FILE", requires = "delete_workloads")]
+    pub member_kubeconfig: Option<PathBuf>,
+    /// Context of the member cluster, for --delete-workloads.
+    #[arg(long, value_name = "NAME", requires = "delete_workloads")]
+    pub member_context: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -213,57 +274,250 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
 }
 
 const JOIN_MANAGER: &str = "flotilla-hub-join";
+/// The hub's serving certificate; `join` reads its `ca.crt` when no --hub-ca-file is given.
+const HUB_TLS_SECRET: &str = "flotilla-hub-tls";
+const HUB_SERVICE: &str = "flotilla-hub";
+const HUB_GRPC_PORT: u16 = 7443;
 
-/// Creates or updates the MemberCluster with a fresh token; only its hash is stored.
-pub async fn join(args: &JoinArgs) -> anyhow::Result<()> {
-    use kube::api::{Api, Patch, PatchParams};
-    let token = crate::auth::issue(&args.name);
-    let labels: std::collections::BTreeMap<_, _> = args.labels.iter().cloned().collect();
-    let member = serde_json::json!({
-        "apiVersion": "core.kubefed.io/v1beta1",
-        "kind": "MemberCluster",
-        "metadata": {"name": args.name, "labels": labels},
-        "spec": {"tokenSha256": crate::auth::token_sha256(&token)},
-    });
-    let client = kube::Client::try_default()
+/// Registers the cluster (or, with `--rotate`, replaces its credential and keeps its
+/// labels) and prints or writes the member install, or only the token with --token-file.
+pub async fn join(kube: &KubeArgs, args: &JoinArgs) -> anyhow::Result<()> {
+    use kube::api::{Api, Patch, PatchParams, PostParams};
+    use std::collections::BTreeMap;
+    if !crate::install::is_dns_subdomain(&args.name) {
+        return Err(crate::install::InstallError::ClusterName(args.name.clone()).into());
+    }
+    let client = kube
+        .client()
         .await
         .context("connecting to the host cluster")?;
+    let token = crate::auth::issue(&args.name);
+    // Everything that can fail locally is done before the host is changed.
+    let install = match &args.token_file {
+        Some(_) => None,
+        None => {
+            let install = crate::install::MemberInstall {
+                cluster: args.name.clone(),
+                hub_address: match &args.hub_address {
+                    Some(a) => a.clone(),
+                    None => hub_address_from_service(&client).await?,
+                },
+                hub_server_name: args.hub_server_name.clone(),
+                hub_ca_pem: match &args.hub_ca_file {
+                    Some(path) => std::fs::read_to_string(path)
+                        .with_context(|| format!("reading --hub-ca-file {}", path.display()))?,
+                    None => hub_ca_from_secret(&client).await?,
+                },
+                token: token.clone(),
+                image: args.agent_image.clone(),
+            };
+            Some(crate::install::render(&install)?)
+        }
+    };
+
     let api: Api<flotilla_crds::MemberCluster> = Api::all(client);
-    api.patch(
-        &args.name,
-        &PatchParams::apply(JOIN_MANAGER).force(),
-        &Patch::Apply(&member),
-    )
-    .await
-    .with_context(|| format!("registering MemberCluster {}", args.name))?;
-    match &args.token_file {
-        Some(path) => {
+    let labels: BTreeMap<_, _> = args.labels.iter().cloned().collect();
+    let hash = crate::auth::token_sha256(&token);
+    let existing = api
+        .get_opt(&args.name)
+        .await
+        .with_context(|| format!("reading MemberCluster {}", args.name))?;
+    match existing {
+        None => {
+            let member: flotilla_crds::MemberCluster = serde_json::from_value(serde_json::json!({
+                "apiVersion": "core.kubefed.io/v1beta1",
+                "kind": "MemberCluster",
+                "metadata": {"name": args.name, "labels": labels},
+                "spec": {"tokenSha256": hash},
+            }))?;
+            let params = PostParams {
+                field_manager: Some(JOIN_MANAGER.into()),
+                ..Default::default()
+            };
+            api.create(&params, &member)
+                .await
+                .with_context(|| format!("registering MemberCluster {}", args.name))?;
+        }
+        Some(_) if !args.rotate => bail!(
+            "MemberCluster {name} is already registered: `flotilla-hub join {name} --rotate` \
+             issues a new credential (its labels are kept, the agent holding the old one is \
+             disconnected); `kubectl label membercluster {name} KEY=VALUE` changes labels",
+            name = args.name
+        ),
+        Some(_) => {
+            // A merge patch: the labels given are set, every other label stays.
+            let mut patch = serde_json::json!({"spec": {"tokenSha256": hash}});
+            if !labels.is_empty() {
+                patch["metadata"] = serde_json::json!({"labels": labels});
+            }
+            let params = PatchParams {
+                field_manager: Some(JOIN_MANAGER.into()),
+                ..Default::default()
+            };
+            api.patch(&args.name, &params, &Patch::Merge(&patch))
+                .await
+                .with_context(|| {
+                    format!("rotating the credential of MemberCluster {}", args.name)
+                })?;
+        }
+    }
+    let verb = if args.rotate {
+        "credential rotated"
+    } else {
+        "registered"
+    };
+    match (&install, &args.output, &args.token_file) {
+        (None, _, Some(path)) => {
             write_private(path, &token)?;
             eprintln!(
-                "MemberCluster {} registered; its agent token is in {}",
+                "MemberCluster {} {verb}; its agent token is in {}",
                 args.name,
                 path.display()
             );
         }
-        None => println!("{token}"),
+        (Some(yaml), Some(path), _) => {
+            write_private(path, yaml)?;
+            eprintln!(
+                "MemberCluster {} {verb}; apply {} in that cluster: kubectl apply -f {}",
+                args.name,
+                path.display(),
+                path.display()
+            );
+        }
+        (Some(yaml), None, _) => print!("{yaml}"),
+        (None, _, None) => unreachable!("without --token-file the install is rendered"),
     }
     Ok(())
 }
 
-pub async fn revoke(args: &RevokeArgs) -> anyhow::Result<()> {
-    use kube::api::{Api, Patch, PatchParams};
-    let client = kube::Client::try_default()
+/// The external address of the hub's LoadBalancer Service.
+async fn hub_address_from_service(client: &kube::Client) -> anyhow::Result<String> {
+    use k8s_openapi::api::core::v1::Service;
+    let api: kube::Api<Service> = kube::Api::namespaced(client.clone(), crate::install::NAMESPACE);
+    let where_ = format!("Service {}/{HUB_SERVICE}", crate::install::NAMESPACE);
+    let service = api
+        .get_opt(HUB_SERVICE)
+        .await
+        .with_context(|| format!("reading {where_}"))?
+        .with_context(|| format!("{where_} not found: pass --hub-address HOST:PORT"))?;
+    let ingress = service
+        .status
+        .and_then(|s| s.load_balancer)
+        .and_then(|lb| lb.ingress)
+        .unwrap_or_default();
+    let host = ingress
+        .iter()
+        .find_map(|i| i.hostname.clone().or_else(|| i.ip.clone()))
+        .with_context(|| {
+            format!("{where_} has no load balancer address: pass --hub-address HOST:PORT")
+        })?;
+    Ok(match host.parse::<std::net::Ipv6Addr>() {
+        Ok(_) => format!("[{host}]:{HUB_GRPC_PORT}"),
+        Err(_) => format!("{host}:{HUB_GRPC_PORT}"),
+    })
+}
+
+/// `ca.crt` of the hub's TLS Secret on the host.
+async fn hub_ca_from_secret(client: &kube::Client) -> anyhow::Result<String> {
+    use k8s_openapi::api::core::v1::Secret;
+    let api: kube::Api<Secret> = kube::Api::namespaced(client.clone(), crate::install::NAMESPACE);
+    let where_ = format!("Secret {}/{HUB_TLS_SECRET}", crate::install::NAMESPACE);
+    let secret = api
+        .get_opt(HUB_TLS_SECRET)
+        .await
+        .with_context(|| format!("reading {where_}"))?
+        .with_context(|| format!("{where_} not found: pass --hub-ca-file"))?;
+    let ca = secret
+        .data
+        .and_then(|mut d| d.remove("ca.crt"))
+        .with_context(|| format!("{where_} has no ca.crt: pass --hub-ca-file"))?;
+    String::from_utf8(ca.0).with_context(|| format!("{where_}: ca.crt is not UTF-8 PEM"))
+}
+
+pub async fn revoke(kube: &KubeArgs, args: &RevokeArgs) -> anyhow::Result<()> {
+    let client = kube
+        .client()
         .await
         .context("connecting to the host cluster")?;
-    let api: Api<flotilla_crds::MemberCluster> = Api::all(client);
-    let patch = serde_json::json!({"spec": {"tokenSha256": null}});
-    api.patch(&args.name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-        .with_context(|| format!("revoking MemberCluster {}", args.name))?;
+    revoke_member(&client, &args.name).await?;
     eprintln!(
-        "MemberCluster {}: credential revoked; `flotilla-hub join {}` issues a new one",
+        "MemberCluster {}: credential revoked; `flotilla-hub join {} --rotate` issues a new one",
         args.name, args.name
     );
+    Ok(())
+}
+
+async fn revoke_member(client: &kube::Client, name: &str) -> anyhow::Result<()> {
+    use kube::api::{Api, Patch, PatchParams};
+    let api: Api<flotilla_crds::MemberCluster> = Api::all(client.clone());
+    let patch = serde_json::json!({"spec": {"tokenSha256": null}});
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .with_context(|| format!("revoking MemberCluster {name}"))?;
+    Ok(())
+}
+
+/// Revokes the credential first (the agent is disconnected and can apply nothing more),
+/// deletes the member's managed MyApps when asked, then the MemberCluster.
+pub async fn unjoin(kube: &KubeArgs, args: &UnjoinArgs) -> anyhow::Result<()> {
+    use kube::api::{Api, DeleteParams, ListParams};
+    let name = &args.name;
+    let member_kube = KubeArgs {
+        kubeconfig: args.member_kubeconfig.clone(),
+        context: args.member_context.clone(),
+    };
+    if args.delete_workloads && member_kube == KubeArgs::default() {
+        bail!("--delete-workloads needs --member-kubeconfig or --member-context of cluster {name}");
+    }
+    let client = kube
+        .client()
+        .await
+        .context("connecting to the host cluster")?;
+    revoke_member(&client, name).await?;
+    if args.delete_workloads {
+        let member = member_kube
+            .client()
+            .await
+            .with_context(|| format!("connecting to member cluster {name}"))?;
+        let myapps: Api<flotilla_crds::MyApp> = Api::all(member.clone());
+        let managed = format!(
+            "{}={}",
+            flotilla_crds::MANAGED_BY_LABEL,
+            flotilla_crds::MANAGED_BY_VALUE
+        );
+        let list = myapps
+            .list(&ListParams::default().labels(&managed))
+            .await
+            .with_context(|| format!("listing the MyApps Flotilla manages in cluster {name}"))?;
+        for app in &list.items {
+            let ns = app.metadata.namespace.as_deref().unwrap_or("default");
+            let app_name = app.metadata.name.as_deref().unwrap_or_default();
+            Api::<flotilla_crds::MyApp>::namespaced(member.clone(), ns)
+                .delete(app_name, &DeleteParams::background())
+                .await
+                .with_context(|| format!("deleting MyApp {ns}/{app_name} in cluster {name}"))?;
+        }
+        eprintln!(
+            "cluster {name}: deleted {} MyApps Flotilla managed",
+            list.items.len()
+        );
+    }
+    let api: Api<flotilla_crds::MemberCluster> = Api::all(client);
+    api.delete(name, &DeleteParams::default())
+        .await
+        .with_context(|| format!("deleting MemberCluster {name}"))?;
+    eprintln!(
+        "MemberCluster {name} removed; its agent is disconnected. In cluster {name}, remove the \
+         agent with: kubectl -n {ns} delete deployment/flotilla-agent secret/{secret}",
+        ns = crate::install::NAMESPACE,
+        secret = crate::install::SECRET
+    );
+    if !args.delete_workloads {
+        eprintln!(
+            "Its MyApps keep running there, no longer updated by Flotilla (--delete-workloads \
+             removes them)."
+        );
+    }
     Ok(())
 }
 
@@ -293,4 +547,81 @@ fn write_private(path: &Path, contents: &str) -> anyhow::Result<()> {
         .with_context(|| format!("writing {}", path.display()))?;
     f.write_all(contents.as_bytes())?;
     Ok(())
+}
+
+#[cfg(test)]
+mod join_tests {
+    use super::*;
+    use clap::Parser;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from([&["flotilla-hub"], args].concat())
+    }
+
+    #[test]
+    fn join_takes_labels_address_output_and_the_host_context() {
+        let cli = parse(&[
+            "join",
+            "paris",
+            "-l",
+            "region=eu",
+            "--label",
+            "tier=a=b",
+            "--hub-address",
+            "hub.example.com:7443",
+            "-o",
+            "paris.yaml",
+            "--context",
+            "host",
+        ])
+        .unwrap();
+        let Command::Join(args) = cli.command else {
+            panic!("parsed as join")
+        };
+        assert_eq!(
+            args.labels,
+            [
+                ("region".into(), "eu".into()),
+                ("tier".into(), "a=b".into())
+            ]
+        );
+        assert_eq!(args.hub_address.as_deref(), Some("hub.example.com:7443"));
+        assert_eq!(args.output, Some(PathBuf::from("paris.yaml")));
+        assert!(!args.rotate);
+        assert_eq!(cli.kube.context.as_deref(), Some("host"));
+    }
+
+    #[test]
+    fn join_refuses_what_cannot_work() {
+        for bad in [
+            &["join", "paris", "--label", "region"][..],
+            &["join", "paris", "-o", "a.yaml", "--token-file", "t"][..],
+            &["join"][..],
+            &["unjoin", "paris", "--member-context", "paris"][..],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+        let cli = parse(&[
+            "unjoin",
+            "paris",
+            "--delete-workloads",
+            "--member-context",
+            "paris",
+        ])
+        .unwrap();
+        let Command::Unjoin(args) = cli.command else {
+            panic!("parsed as unjoin")
+        };
+        assert!(args.delete_workloads);
+    }
+
+    #[test]
+    fn version_and_completion_parse() {
+        assert!(matches!(
+            parse(&["version"]).unwrap().command,
+            Command::Version
+        ));
+        assert!(parse(&["completion", "zsh"]).is_ok());
+        assert!(parse(&["completion", "tcsh"]).is_err());
+    }
 }

@@ -38,6 +38,9 @@ pub const FINALIZER: &str = "core.kubefed.io/flotilla-hub";
 pub const CONTROLLER: &str = "federatedmyapp";
 /// How often a deletion waiting for agents' confirmations is looked at again.
 const DELETION_RECHECK: Duration = Duration::from_secs(1);
+/// How often a standby looks at an app again, so that it takes over within this long
+/// once it leads.
+const STANDBY_RECHECK: Duration = Duration::from_secs(2);
 
 pub struct Context {
     pub client: kube::Client,
@@ -49,6 +52,8 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// True once the first full pass planned every app.
     pub planned: watch::Receiver<bool>,
+    /// True while this hub leads: only the leader writes to the host.
+    pub leading: watch::Receiver<bool>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -273,6 +278,7 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
     let api: Api<FederatedMyApp> = Api::namespaced(ctx.client.clone(), &key.namespace);
     let has_finalizer = app.finalizers().iter().any(|f| f == FINALIZER);
     let members = registered(&ctx.members);
+    let leading = *ctx.leading.borrow();
     if app.metadata.deletion_timestamp.is_some() {
         if !has_finalizer {
             return Ok(Action::await_change());
@@ -280,7 +286,7 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
         let plan = index_deletion(app, &members, ctx);
         let waiting = !plan.deleting_on.as_ref().is_some_and(Vec::is_empty);
         ctx.status.set_plan(&key, plan);
-        if waiting {
+        if waiting || !leading {
             return Ok(Action::requeue(DELETION_RECHECK));
         }
         let rest = app
@@ -294,6 +300,11 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
         ctx.status.forget(&key);
         info!(app = %key, "deleted from (or released by) every member cluster");
         return Ok(Action::await_change());
+    }
+    if !leading {
+        // Warm: planned like on the leader, written by nobody.
+        ctx.status.set_plan(&key, index_app(app, &members, ctx));
+        return Ok(Action::requeue(STANDBY_RECHECK));
     }
     if !has_finalizer {
         let mut finalizers = app.finalizers().to_vec();

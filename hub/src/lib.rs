@@ -11,6 +11,8 @@ pub mod cli;
 pub mod controller;
 pub mod dispatch;
 pub mod index;
+pub mod install;
+pub mod leader;
 pub mod membership;
 pub mod overrides;
 pub mod placement;

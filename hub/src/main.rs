@@ -4,8 +4,12 @@ use clap::Parser;
 use flotilla_hub::cli::{self, Cli, Command};
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let result = match cli.command {
+    let Cli {
+        log_json,
+        kube,
+        command,
+    } = Cli::parse();
+    let result = match command {
         Command::Crds => {
             print!("{}", flotilla_crds::crds_yaml());
             Ok(ExitCode::SUCCESS)
@@ -20,15 +24,30 @@ fn main() -> ExitCode {
             }
         }),
         Command::Certs(args) => cli::certs(&args).map(|()| ExitCode::SUCCESS),
+        Command::Version => {
+            println!("flotilla-hub {}", env!("CARGO_PKG_VERSION"));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Completion { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "flotilla-hub",
+                &mut std::io::stdout(),
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         command => {
-            flotilla_common::telemetry::init(cli.log_json);
+            flotilla_common::telemetry::init(log_json);
             let runtime = tokio::runtime::Runtime::new().expect("starting the tokio runtime");
             runtime
                 .block_on(async move {
                     match command {
-                        Command::Run(args) => flotilla_hub::run::run(args).await,
-                        Command::Join(args) => cli::join(&args).await,
-                        Command::Revoke(args) => cli::revoke(&args).await,
+                        Command::Run(args) => flotilla_hub::run::run(&kube, args).await,
+                        Command::Join(args) => cli::join(&kube, &args).await,
+                        Command::Revoke(args) => cli::revoke(&kube, &args).await,
+                        Command::Unjoin(args) => cli::unjoin(&kube, &args).await,
                         _ => unreachable!("handled above"),
                     }
                 })

@@ -145,7 +145,6 @@ pub struct Membership {
     members: Mutex<HashMap<String, Member>>,
     dirty: Pending<String>,
     grace: Duration,
-    started: Instant,
 }
 
 impl Membership {
@@ -154,7 +153,6 @@ impl Membership {
             members: Mutex::default(),
             dirty: Pending::default(),
             grace,
-            started: Instant::now(),
         }
     }
 
@@ -200,15 +198,16 @@ impl Membership {
     }
 
     /// The statuses to write now: clusters that heartbeated, and those whose readiness
-    /// shown differs from the truth. Before one grace period has passed since start an
-    /// agent may still be reconnecting, so no cluster is declared gone yet.
+    /// shown differs from the truth. Before one grace period has passed `since` this hub
+    /// began writing, an agent may still be reconnecting: no cluster is declared gone.
     fn due(
         &self,
         dirty: &[String],
         store: &Store<MemberCluster>,
+        since: Instant,
     ) -> Vec<(String, MemberClusterStatus)> {
         let now = Instant::now();
-        let settled = now.duration_since(self.started) > self.grace;
+        let settled = now.duration_since(since) > self.grace;
         let members = self.members.lock();
         store
             .state()
@@ -228,17 +227,43 @@ impl Membership {
             .collect()
     }
 
-    /// Keeps every MemberCluster's status current until `shutdown`.
+    /// Keeps every MemberCluster's status current while this hub leads, until
+    /// `shutdown`. A hub that just took the lead has heard no agent yet: it declares no
+    /// cluster gone before one grace period has passed.
     pub async fn write_loop(
         &self,
         client: kube::Client,
         store: Store<MemberCluster>,
+        mut leading: watch::Receiver<bool>,
         shutdown: CancellationToken,
     ) -> anyhow::Result<()> {
         let api: Api<MemberCluster> = Api::all(client);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                led = leading.wait_for(|l| *l) => { led?; }
+            }
+            let since = Instant::now();
+            let lost = async {
+                let _ = leading.wait_for(|l| !*l).await;
+            };
+            tokio::select! {
+                _ = lost => continue,
+                r = self.write_while_leading(&api, &store, since, &shutdown) => return r,
+            }
+        }
+    }
+
+    async fn write_while_leading(
+        &self,
+        api: &Api<MemberCluster>,
+        store: &Store<MemberCluster>,
+        since: Instant,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<()> {
         let tick = (self.grace / 4).max(Duration::from_millis(250));
-        while let Some(dirty) = self.dirty.take(Duration::ZERO, Some(tick), &shutdown).await {
-            for (name, status) in self.due(&dirty, &store) {
+        while let Some(dirty) = self.dirty.take(Duration::ZERO, Some(tick), shutdown).await {
+            for (name, status) in self.due(&dirty, store, since) {
                 let patch = Patch::Merge(status_patch(&status, &["conditions"]));
                 match api
                     .patch_status(&name, &PatchParams::default(), &patch)
@@ -366,7 +391,11 @@ mod tests {
                 ..Default::default()
             },
         );
-        let due = m.due(&["c1".into()], &store(&[("c1", None), ("c2", None)]));
+        let due = m.due(
+            &["c1".into()],
+            &store(&[("c1", None), ("c2", None)]),
+            Instant::now(),
+        );
         assert_eq!(
             due.len(),
             1,
@@ -391,8 +420,13 @@ mod tests {
     #[test]
     fn silence_past_the_grace_period_turns_a_cluster_not_ready() {
         let m = Membership::new(Duration::ZERO);
+        let since = Instant::now();
         std::thread::sleep(Duration::from_millis(5));
-        let due = m.due(&[], &store(&[("c1", Some(true)), ("c2", Some(false))]));
+        let due = m.due(
+            &[],
+            &store(&[("c1", Some(true)), ("c2", Some(false))]),
+            since,
+        );
         assert_eq!(due.len(), 1, "c2 already shows NotReady: nothing to write");
         assert_eq!(due[0].0, "c1");
         let ready = &due[0].1.conditions[0];
@@ -406,7 +440,10 @@ mod tests {
     fn an_unchanged_ready_cluster_is_not_rewritten() {
         let m = Membership::new(Duration::from_secs(40));
         m.heartbeat("c1");
-        assert!(m.due(&[], &store(&[("c1", Some(true))])).is_empty());
+        assert!(
+            m.due(&[], &store(&[("c1", Some(true))]), Instant::now())
+                .is_empty()
+        );
     }
 
     #[test]
@@ -427,7 +464,11 @@ mod tests {
         let m = Membership::new(Duration::from_secs(40));
         m.heartbeat("c1");
         m.collection_blocked("c1", 7, 10);
-        let due = m.due(&["c1".into()], &store(&[("c1", Some(true))]));
+        let due = m.due(
+            &["c1".into()],
+            &store(&[("c1", Some(true))]),
+            Instant::now(),
+        );
         let blocked = due[0]
             .1
             .conditions

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use flotilla_common::http::{self, Readiness};
+use flotilla_common::kubeconfig::KubeArgs;
 use flotilla_common::metrics::Metrics;
 use flotilla_common::supervise::Supervisor;
 use flotilla_crds::MemberCluster;
@@ -20,6 +21,7 @@ use tonic::transport::Identity;
 
 use crate::controller::{self, Context};
 use crate::dispatch::Dispatcher;
+use crate::leader;
 use crate::membership::{self, Membership};
 use crate::server::{self, FederationService};
 use crate::status::StatusBoard;
@@ -46,13 +48,20 @@ pub struct RunArgs {
     /// Names this instance in Events (the pod name in a cluster).
     #[arg(long, env = "POD_NAME")]
     pub instance: Option<String>,
+    #[command(flatten)]
+    pub leader: crate::leader::LeaderArgs,
 }
 
-pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     let shutdown = flotilla_common::shutdown::on_signal().context("installing signal handlers")?;
-    let client = Client::try_default()
+    let config = kube
+        .config()
         .await
         .context("connecting to the host cluster (kubeconfig or in-cluster)")?;
+    let client = Client::try_from(config.clone()).context("building the host cluster's client")?;
+    // A standby stays warm (stores listed, every app planned) and ready, but writes
+    // nothing and serves no agent: only the leader does (the Service routes to it).
+    let (leading, campaign) = leader::elect(config, &args.leader, shutdown.clone())?;
     let tls = Identity::from_pem(
         std::fs::read(&args.tls_cert)
             .with_context(|| format!("reading {}", args.tls_cert.display()))?,
@@ -86,6 +95,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         ),
         metrics: metrics.clone(),
         planned,
+        leading: leading.clone(),
     });
     let (members_changed, members_changed_rx) = watch::channel(0);
     let member_events = reflector(
@@ -99,6 +109,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     .touched_objects();
 
     let mut tasks = Supervisor::new(shutdown.clone(), Duration::from_secs(10));
+    tasks.spawn("leader-election", async move {
+        campaign.await;
+        Ok(())
+    });
     tasks.spawn(
         "membercluster-watch",
         membership::watch_members(
@@ -128,6 +142,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         status: status.clone(),
         membership: membership.clone(),
         members: members.clone(),
+        leading: leading.clone(),
     };
     tasks.spawn(
         "grpc",
@@ -135,11 +150,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     );
     tasks.spawn(
         "status-writer",
-        status.write_loop(client.clone(), apps, args.status_window, shutdown.clone()),
+        status.write_loop(
+            client.clone(),
+            apps,
+            args.status_window,
+            leading.clone(),
+            shutdown.clone(),
+        ),
     );
     tasks.spawn("membercluster-status-writer", {
         let shutdown = shutdown.clone();
-        async move { membership.write_loop(client, members, shutdown).await }
+        async move {
+            membership
+                .write_loop(client, members, leading, shutdown)
+                .await
+        }
     });
     let addr = args.http_addr;
     let endpoints = http::serve(addr, http::router(metrics, readiness), shutdown);

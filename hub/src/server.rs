@@ -43,6 +43,8 @@ pub struct FederationService {
     pub status: Arc<StatusBoard>,
     pub membership: Arc<Membership>,
     pub members: Store<MemberCluster>,
+    /// Only the leading hub serves agents.
+    pub leading: tokio::sync::watch::Receiver<bool>,
 }
 
 /// Binds `addr` and serves agents until `shutdown`; then ends every session at once so
@@ -58,8 +60,24 @@ pub async fn serve(
         .with_context(|| format!("binding the gRPC address {addr}"))?;
     info!(grpc = %addr, "serving agents");
     let dispatcher = service.dispatcher.clone();
+    let mut leading = service.leading.clone();
     let stop = async move {
-        shutdown.cancelled().await;
+        // Sessions end when the hub stops, and when it stops leading: its agents must
+        // reconnect to the new leader.
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                changed = leading.changed() => {
+                    if changed.is_err() {
+                        break;
+                    }
+                    if !*leading.borrow_and_update() {
+                        info!("no longer leading: closing every agent session");
+                        dispatcher.close_all();
+                    }
+                }
+            }
+        }
         dispatcher.close_all();
     };
     Server::builder()
@@ -93,6 +111,11 @@ impl Federation for FederationService {
             .metadata()
             .get("authorization")
             .and_then(|v| v.to_str().ok());
+        if !*self.leading.borrow() {
+            return Err(Status::unavailable(
+                "this hub is a standby; the leading hub serves agents",
+            ));
+        }
         let identity = auth::authenticate(&self.members, authorization).map_err(refused)?;
         let cluster = identity.cluster.clone();
         let mut inbound = request.into_inner();

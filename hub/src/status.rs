@@ -23,6 +23,7 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::{ObjectRef, Store};
 use parking_lot::Mutex;
 use serde_json::Value;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -385,18 +386,43 @@ impl StatusBoard {
             .collect()
     }
 
-    /// Patches the status of changed apps, one patch per app per `window`, until
-    /// `shutdown`.
+    /// Patches the status of changed apps, one patch per app per `window`, while this
+    /// hub leads, until `shutdown`. On taking the lead every app is looked at once.
     pub async fn write_loop(
         self: Arc<Self>,
         client: kube::Client,
         apps: Store<FederatedMyApp>,
         window: Duration,
+        mut leading: watch::Receiver<bool>,
         shutdown: CancellationToken,
     ) -> anyhow::Result<()> {
-        while let Some(keys) = self.dirty.take(window, None, &shutdown).await {
-            let patches = self.changed(keys, &apps);
-            let board = &self;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                led = leading.wait_for(|l| *l) => { led?; }
+            }
+            let all: Vec<AppKey> = self.board.lock().plans.keys().cloned().collect();
+            self.dirty.mark_all(all);
+            let lost = async {
+                let _ = leading.wait_for(|l| !*l).await;
+            };
+            tokio::select! {
+                _ = lost => continue,
+                r = self.write_while_leading(&client, &apps, window, &shutdown) => return r,
+            }
+        }
+    }
+
+    async fn write_while_leading(
+        &self,
+        client: &kube::Client,
+        apps: &Store<FederatedMyApp>,
+        window: Duration,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<()> {
+        while let Some(keys) = self.dirty.take(window, None, shutdown).await {
+            let patches = self.changed(keys, apps);
+            let board = self;
             futures::stream::iter(patches)
                 .for_each_concurrent(8, |(key, status)| {
                     let api: Api<FederatedMyApp> = Api::namespaced(client.clone(), &key.namespace);
