@@ -19,7 +19,7 @@ use tracing::{info, warn};
 
 use crate::dispatch::Dispatcher;
 use crate::index::{AppKey, Desired};
-use crate::placement::Members;
+use crate::placement::{Member, Members};
 use crate::render::{self, ClusterError};
 use crate::status::{Outcome, Plan, StatusBoard};
 
@@ -51,13 +51,15 @@ pub fn key_of(app: &FederatedMyApp) -> AppKey {
     )
 }
 
-/// Registered clusters (names and labels), leaving out those being deleted.
+/// Registered clusters (labels, cordon, readiness, capacity), leaving out those being
+/// deleted.
 pub fn registered(members: &Store<MemberCluster>) -> Members {
+    let now = k8s_openapi::jiff::Timestamp::now();
     members
         .state()
         .iter()
         .filter(|m| m.metadata.deletion_timestamp.is_none())
-        .map(|m| (m.name_any(), m.labels().clone()))
+        .map(|m| (m.name_any(), Member::from_cluster(m, now)))
         .collect()
 }
 

@@ -1,5 +1,6 @@
 //! The Flotilla hub. Modules follow the data flow: `placement` (which clusters),
-//! `overrides` (per-cluster changes), `render` (template + overrides + schema + hash).
+//! `schedule` (how many replicas each), `overrides` (per-cluster changes), `render`
+//! (template + schedule + overrides + schema + hash).
 
 pub mod cli;
 pub mod controller;
@@ -10,5 +11,6 @@ pub mod overrides;
 pub mod placement;
 pub mod render;
 pub mod run;
+pub mod schedule;
 pub mod server;
 pub mod status;

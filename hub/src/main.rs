@@ -29,6 +29,8 @@ fn main() -> ExitCode {
                         Command::Run(args) => flotilla_hub::run::run(args).await,
                         Command::Join(args) => cli::join(&args).await,
                         Command::Revoke(args) => cli::revoke(&args).await,
+                        Command::Cordon(args) => cli::cordon(&args, true).await,
+                        Command::Uncordon(args) => cli::cordon(&args, false).await,
                         _ => unreachable!("handled above"),
                     }
                 })

@@ -184,6 +184,7 @@ impl Membership {
             kubernetes_version: m
                 .and_then(|m| m.kubernetes_version.clone())
                 .or_else(|| previous.and_then(|p| p.kubernetes_version.clone())),
+            capacity: previous.and_then(|p| p.capacity.clone()),
         }
     }
 }
