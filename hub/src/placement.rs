@@ -59,6 +59,23 @@ impl Member {
 /// Registered member clusters by name.
 pub type Members = BTreeMap<String, Member>;
 
+/// An agent's capacity report as `MemberCluster.status.capacity` shows it.
+pub fn capacity_from_pb(c: &flotilla_proto::v1::Capacity) -> ClusterCapacity {
+    use flotilla_crds::member::Resources;
+    let r = |r: &Option<flotilla_proto::v1::Resources>| {
+        r.as_ref().map_or_else(Resources::default, |r| Resources {
+            cpu_millis: r.cpu_millis,
+            memory_bytes: r.memory_bytes,
+        })
+    };
+    ClusterCapacity {
+        nodes: c.nodes,
+        allocatable: r(&c.allocatable),
+        requested: r(&c.requested),
+        largest_free: r(&c.largest_free),
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Decision {
     /// Registered clusters that get the MyApp, sorted.
@@ -302,6 +319,41 @@ mod tests {
                 .unwrap()
                 .clusters
                 .is_empty()
+        );
+    }
+
+    #[test]
+    fn capacity_from_the_wire() {
+        use flotilla_proto::v1 as pb;
+        let wire = pb::Capacity {
+            nodes: 2,
+            allocatable: Some(pb::Resources {
+                cpu_millis: 4000,
+                memory_bytes: 8,
+            }),
+            requested: None,
+            largest_free: Some(pb::Resources {
+                cpu_millis: 1,
+                memory_bytes: 2,
+            }),
+        };
+        let c = capacity_from_pb(&wire);
+        assert_eq!(
+            (
+                c.nodes,
+                c.allocatable.cpu_millis,
+                c.allocatable.memory_bytes
+            ),
+            (2, 4000, 8)
+        );
+        assert_eq!(
+            c.requested,
+            Default::default(),
+            "absent reads as nothing requested"
+        );
+        assert_eq!(
+            (c.largest_free.cpu_millis, c.largest_free.memory_bytes),
+            (1, 2)
         );
     }
 
