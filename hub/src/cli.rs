@@ -124,11 +124,12 @@ fn report(object: &str, rendered: &Rendered, output: Output) -> RenderReport {
             each.join(", ")
         ));
     }
-    stderr.extend(
-        rendered
-            .errors()
-            .map(|(c, e)| format!("error: {object}, cluster {c}: {e}")),
-    );
+    // A failed-over cluster is not an error of the app: its copy is left as it is.
+    let failed_over = |e: &&render::ClusterError| matches!(e, render::ClusterError::FailedOver);
+    stderr.extend(rendered.errors().map(|(c, e)| {
+        let level = if failed_over(&e) { "note" } else { "error" };
+        format!("{level}: {object}, cluster {c}: {e}")
+    }));
     let ok = rendered
         .clusters
         .iter()
@@ -150,7 +151,7 @@ fn report(object: &str, rendered: &Rendered, output: Output) -> RenderReport {
     RenderReport {
         stdout,
         stderr,
-        failed: rendered.errors().next().is_some(),
+        failed: rendered.errors().any(|(_, e)| !failed_over(&e)),
     }
 }
 
