@@ -698,5 +698,9 @@ mod tests {
             e.to_string(),
             "spec.template.spec.resources.requests: cpu: \"lots\" is not a quantity: expected a number"
         );
+        // Other modes do not read requests (the member's apiserver judges them).
+        let mut dup = a.clone();
+        dup.spec.placement.replica_scheduling = None;
+        assert!(render(&dup, &members(&["c1"])).is_ok());
     }
 }

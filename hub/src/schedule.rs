@@ -91,12 +91,23 @@ impl<'a> Inputs<'a> {
         members: &'a Members,
     ) -> Result<Self, ScheduleError> {
         let status = app.status.as_ref();
+        let mode = app
+            .spec
+            .placement
+            .replica_scheduling
+            .as_ref()
+            .map(|r| r.mode);
+        // Only Capacity reads the requests: other modes render what they always did.
+        let request = match mode {
+            Some(SchedulingMode::Capacity) => request_of(app)?,
+            _ => DEFAULT_REQUEST,
+        };
         Ok(Self {
             placement: &app.spec.placement,
             placed,
             members,
             template_replicas: app.spec.template.spec.replicas,
-            request: request_of(app)?,
+            request,
             previous: previous(status),
             spec_changed: status.and_then(|s| s.observed_generation) != app.metadata.generation,
         })
