@@ -412,13 +412,16 @@ async fn report_loop(
     let mut sent: HashMap<Key, pb::StatusReport> = HashMap::new();
     let mut keys: Vec<Key> = store.state().iter().map(|a| key_of(a)).collect();
     let mut tick = tokio::time::interval(heartbeat);
+    let mut forced: HashSet<Key> = HashSet::new();
     loop {
         for key in keys.drain(..) {
             let mut report = status_report(&key, current(&store, &key).as_deref());
             if let Some(error) = retries.error(&key) {
                 report.apply_error = error;
             }
-            if sent.get(&key) != Some(&report) {
+            // The outcome of a request the hub made is always sent, even if it reads like
+            // the last report: the hub may be waiting for exactly that confirmation.
+            if forced.remove(&key) || sent.get(&key) != Some(&report) {
                 sent.insert(key, report.clone());
                 if tx
                     .send(agent(agent_message::Kind::Status(report)))
@@ -435,7 +438,10 @@ async fn report_loop(
                     return;
                 }
             }
-            Some(key) = touched.recv() => keys.push(key),
+            Some(key) = touched.recv() => {
+                forced.insert(key.clone());
+                keys.push(key);
+            }
             change = changes.recv() => match change {
                 Ok(key) => keys.push(key),
                 // Fell behind: resend whatever differs.

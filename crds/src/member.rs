@@ -1,5 +1,8 @@
 //! `MemberCluster` (`core.kubefed.io/v1beta1`, cluster-scoped): a registered member.
 
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::CustomResource;
 use schemars::JsonSchema;
@@ -9,6 +12,7 @@ use serde::{Deserialize, Serialize};
 /// `placement.clusterSelector`.
 #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[kube(
+    doc = "MemberCluster is one member cluster registered with the Flotilla hub (by flotilla-hub join). Its labels feed placement selectors; its status shows the agent's heartbeat and the cluster's capacity.",
     group = "core.kubefed.io",
     version = "v1beta1",
     kind = "MemberCluster",
@@ -17,6 +21,8 @@ use serde::{Deserialize, Serialize};
     category = "flotilla",
     status = "MemberClusterStatus",
     printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Unschedulable","type":"boolean","jsonPath":".spec.unschedulable"}"#,
+    printcolumn = r#"{"name":"Nodes","type":"integer","jsonPath":".status.capacity.nodes"}"#,
     printcolumn = r#"{"name":"Kubernetes","type":"string","jsonPath":".status.kubernetesVersion"}"#,
     printcolumn = r#"{"name":"Agent","type":"string","jsonPath":".status.agentVersion"}"#,
     printcolumn = r#"{"name":"Heartbeat","type":"date","jsonPath":".status.lastHeartbeatTime"}"#,
@@ -28,6 +34,10 @@ pub struct MemberClusterSpec {
     /// revokes the agent, `flotilla-hub join` issues a new token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_sha256: Option<String>,
+    /// Cordon: no new replicas are scheduled here; the replicas it runs stay
+    /// (`flotilla-hub cordon NAME`, `flotilla-hub uncordon NAME`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unschedulable: bool,
 }
 
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
@@ -52,4 +62,306 @@ pub struct MemberClusterStatus {
         skip_serializing_if = "Option::is_none"
     )]
     pub cluster_uid: Option<String>,
+    /// The cluster's capacity as its agent last reported it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<ClusterCapacity>,
+}
+
+/// Ready, schedulable nodes' allocatable resources and what running pods request of them.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterCapacity {
+    /// Nodes counted: Ready and not cordoned.
+    pub nodes: i32,
+    pub allocatable: Resources,
+    /// Requests of the pods bound to those nodes that have not finished.
+    pub requested: Resources,
+    /// The most CPU free on any one node, and the most memory free on any one node (not
+    /// necessarily the same node).
+    pub largest_free: Resources,
+}
+
+impl ClusterCapacity {
+    /// How many more pods requesting `request` fit: the free total divided by the
+    /// request, per resource, and none when no single node has room for one. An estimate
+    /// (free resources on different nodes add up here, not in the kube-scheduler).
+    pub fn room_for(&self, request: &Resources) -> i64 {
+        let free = Resources {
+            cpu_millis: (self.allocatable.cpu_millis - self.requested.cpu_millis).max(0),
+            memory_bytes: (self.allocatable.memory_bytes - self.requested.memory_bytes).max(0),
+        };
+        let per = |free: i64, largest: i64, req: i64| {
+            if req <= 0 {
+                i64::MAX
+            } else if largest < req {
+                0
+            } else {
+                free / req
+            }
+        };
+        per(
+            free.cpu_millis,
+            self.largest_free.cpu_millis,
+            request.cpu_millis,
+        )
+        .min(per(
+            free.memory_bytes,
+            self.largest_free.memory_bytes,
+            request.memory_bytes,
+        ))
+    }
+}
+
+/// CPU and memory as whole numbers, so that the hub's arithmetic is exact.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Resources {
+    pub cpu_millis: i64,
+    pub memory_bytes: i64,
+}
+
+impl Resources {
+    /// `cpu` and `memory` of a resource list (requests or allocatable); others ignored.
+    pub fn from_list(list: &BTreeMap<String, Quantity>) -> Result<Self, QuantityError> {
+        let get = |key: &str, scale: i32| match list.get(key) {
+            Some(q) => parse_quantity(&q.0, scale).map_err(|reason| QuantityError {
+                resource: key.to_owned(),
+                value: q.0.clone(),
+                reason,
+            }),
+            None => Ok(0),
+        };
+        Ok(Self {
+            cpu_millis: get("cpu", 3)?,
+            memory_bytes: get("memory", 0)?,
+        })
+    }
+
+    pub fn saturating_add(self, other: Self) -> Self {
+        Self {
+            cpu_millis: self.cpu_millis.saturating_add(other.cpu_millis),
+            memory_bytes: self.memory_bytes.saturating_add(other.memory_bytes),
+        }
+    }
+
+    /// Each resource's larger value.
+    pub fn max(self, other: Self) -> Self {
+        Self {
+            cpu_millis: self.cpu_millis.max(other.cpu_millis),
+            memory_bytes: self.memory_bytes.max(other.memory_bytes),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{resource}: {value:?} is not a quantity: {reason}")]
+pub struct QuantityError {
+    pub resource: String,
+    pub value: String,
+    pub reason: String,
+}
+
+/// A Kubernetes quantity (`100m`, `1.5Gi`, `2e3`, `512Mi`) times `10^scale`, rounded up
+/// as `Quantity.MilliValue()` (scale 3) and `Value()` (scale 0) do. Negative quantities
+/// are refused: requests and allocatable never are.
+pub fn parse_quantity(s: &str, scale: i32) -> Result<i64, String> {
+    let s = s.trim();
+    let s = s.strip_prefix('+').unwrap_or(s);
+    if s.starts_with('-') {
+        return Err("negative".into());
+    }
+    let end = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (number, suffix) = s.split_at(end);
+    let (whole, frac) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty() && frac.is_empty() || frac.contains('.') {
+        return Err("expected a number".into());
+    }
+    let (exp2, exp10): (u32, i32) = match suffix {
+        "" => (0, 0),
+        "n" => (0, -9),
+        "u" => (0, -6),
+        "m" => (0, -3),
+        "k" => (0, 3),
+        "M" => (0, 6),
+        "G" => (0, 9),
+        "T" => (0, 12),
+        "P" => (0, 15),
+        "E" => (0, 18),
+        "Ki" => (10, 0),
+        "Mi" => (20, 0),
+        "Gi" => (30, 0),
+        "Ti" => (40, 0),
+        "Pi" => (50, 0),
+        "Ei" => (60, 0),
+        e if e.starts_with(['e', 'E']) => (
+            0,
+            e[1..]
+                .parse()
+                .map_err(|_| format!("unknown suffix {suffix:?}"))?,
+        ),
+        _ => return Err(format!("unknown suffix {suffix:?}")),
+    };
+    let digits = format!("{whole}{frac}");
+    let digits = digits.trim_start_matches('0');
+    if digits.len() > 30 {
+        return Err("too many digits".into());
+    }
+    let mantissa: u128 = if digits.is_empty() {
+        0
+    } else {
+        digits.parse().map_err(|_| "expected a number")?
+    };
+    let mantissa = mantissa.checked_mul(1u128 << exp2).ok_or("too large")?;
+    let exp = i64::from(exp10) - frac.len() as i64 + i64::from(scale);
+    let value = if mantissa == 0 {
+        0
+    } else if exp >= 0 {
+        10u128
+            .checked_pow(u32::try_from(exp).map_err(|_| "too large")?)
+            .and_then(|p| mantissa.checked_mul(p))
+            .ok_or("too large")?
+    } else if exp < -38 {
+        1
+    } else {
+        mantissa.div_ceil(10u128.pow((-exp) as u32))
+    };
+    i64::try_from(value).map_err(|_| "too large".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities_ugly_inputs_are_refused() {
+        for bad in [
+            "", ".", "-1", "-100m", "1.2.3", "abc", "1x", "1KI", "1e", "1e1.5", "m", "1 Gi", "1ki",
+        ] {
+            assert!(parse_quantity(bad, 0).is_err(), "{bad:?} must be refused");
+        }
+        assert!(
+            parse_quantity("99999999999999999999Ei", 0).is_err(),
+            "overflow"
+        );
+        assert!(parse_quantity("1e40", 0).is_err(), "overflow");
+    }
+
+    #[test]
+    fn cpu_in_millis_rounds_up() {
+        for (q, want) in [
+            ("0", 0),
+            ("1", 1000),
+            ("+2", 2000),
+            ("100m", 100),
+            ("0.5", 500),
+            (".5", 500),
+            ("1.", 1000),
+            ("250000u", 250),
+            ("1u", 1),
+            ("1n", 1),
+            ("0.0001", 1),
+            ("2e3", 2_000_000),
+            ("2E-3", 2),
+            ("1k", 1_000_000),
+            ("007", 7000),
+        ] {
+            assert_eq!(parse_quantity(q, 3), Ok(want), "{q}");
+        }
+    }
+
+    #[test]
+    fn memory_in_bytes() {
+        for (q, want) in [
+            ("128974848", 128_974_848),
+            ("129e6", 129_000_000),
+            ("129M", 129_000_000),
+            ("123Mi", 128_974_848),
+            ("1Ki", 1024),
+            ("1.5Gi", 1_610_612_736),
+            ("1Ti", 1 << 40),
+            ("1Ei", 1 << 60),
+            ("1500m", 2),
+            ("1m", 1),
+            ("0.000Gi", 0),
+        ] {
+            assert_eq!(parse_quantity(q, 0), Ok(want), "{q}");
+        }
+    }
+
+    #[test]
+    fn resource_list_names_the_bad_resource() {
+        let list: BTreeMap<String, Quantity> = [
+            ("cpu".to_owned(), Quantity("250m".into())),
+            ("memory".to_owned(), Quantity("lots".into())),
+        ]
+        .into();
+        let e = Resources::from_list(&list).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            r#"memory: "lots" is not a quantity: expected a number"#
+        );
+        let list: BTreeMap<String, Quantity> = [
+            ("cpu".to_owned(), Quantity("250m".into())),
+            ("nvidia.com/gpu".to_owned(), Quantity("1".into())),
+        ]
+        .into();
+        assert_eq!(
+            Resources::from_list(&list).unwrap(),
+            Resources {
+                cpu_millis: 250,
+                memory_bytes: 0
+            }
+        );
+    }
+
+    fn capacity(
+        free_cpu: i64,
+        largest_cpu: i64,
+        free_mem: i64,
+        largest_mem: i64,
+    ) -> ClusterCapacity {
+        ClusterCapacity {
+            nodes: 3,
+            allocatable: Resources {
+                cpu_millis: free_cpu + 1000,
+                memory_bytes: free_mem + 1000,
+            },
+            requested: Resources {
+                cpu_millis: 1000,
+                memory_bytes: 1000,
+            },
+            largest_free: Resources {
+                cpu_millis: largest_cpu,
+                memory_bytes: largest_mem,
+            },
+        }
+    }
+
+    #[test]
+    fn room_is_the_tighter_resource() {
+        let c = capacity(4000, 2000, 1000, 1000);
+        let req = |cpu, mem| Resources {
+            cpu_millis: cpu,
+            memory_bytes: mem,
+        };
+        assert_eq!(c.room_for(&req(500, 100)), 8);
+        assert_eq!(c.room_for(&req(500, 300)), 3);
+        assert_eq!(
+            c.room_for(&req(0, 300)),
+            3,
+            "no CPU request: memory alone counts"
+        );
+        assert_eq!(c.room_for(&req(2001, 1)), 0, "no node has room for one");
+        assert_eq!(
+            c.room_for(&req(0, 0)),
+            i64::MAX,
+            "nothing requested: no limit"
+        );
+        // Overcommitted: requests above allocatable leave no room, not negative room.
+        let mut over = c.clone();
+        over.requested.cpu_millis = over.allocatable.cpu_millis + 5;
+        assert_eq!(over.room_for(&req(1, 1)), 0);
+    }
 }

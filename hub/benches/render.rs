@@ -1,12 +1,12 @@
 //! Render throughput: one FederatedMyApp × 100 clusters × 5 overrides each, against a
 //! floor measured in the same run (serializing the template once per cluster, which any
-//! render must at least do).
+//! render must at least do); and the same app dividing its replicas by weight.
 
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use flotilla_crds::FederatedMyApp;
-use flotilla_hub::placement::Members;
+use flotilla_hub::placement::{Member, Members};
 use flotilla_hub::render::render;
 use serde_json::json;
 
@@ -38,7 +38,18 @@ fn fixture() -> (FederatedMyApp, Members) {
         }
     });
     let app: FederatedMyApp = serde_json::from_value(app).unwrap();
-    let members = names.into_iter().map(|n| (n, Default::default())).collect();
+    // Every third cluster is labelled tier=gold, for the weighted variant's selector.
+    let members = names
+        .into_iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let tier = if i % 3 == 0 { "gold" } else { "silver" };
+            (
+                n,
+                Member::with_labels([("tier".into(), tier.into())].into()),
+            )
+        })
+        .collect();
     (app, members)
 }
 
@@ -57,6 +68,22 @@ fn bench(c: &mut Criterion) {
     });
     group.bench_function("render", |b| {
         b.iter(|| black_box(render(black_box(&app), &members).unwrap()))
+    });
+    // The same app dividing 500 replicas by weight: the schedule's cost on top.
+    let mut divided = app.clone();
+    for o in &mut divided.spec.overrides {
+        o.cluster_overrides.retain(|op| op.path != "/spec/replicas");
+    }
+    divided.spec.placement.replica_scheduling = Some(
+        serde_json::from_value(json!({
+            "mode": "Weighted", "totalReplicas": 500,
+            "preferences": [{"clusterSelector": {"matchLabels": {"tier": "gold"}}, "weight": 3}],
+        }))
+        .unwrap(),
+    );
+    assert_eq!(render(&divided, &members).unwrap().errors().count(), 0);
+    group.bench_function("render_weighted", |b| {
+        b.iter(|| black_box(render(black_box(&divided), &members).unwrap()))
     });
     group.finish();
 }

@@ -1,19 +1,22 @@
 //! Command line: `render` (offline preview), `crds`, `certs`, `version`, `completion`;
-//! `run` drives the hub; `join`, `revoke` and `unjoin` manage member clusters.
+//! `run` drives the hub; `join`, `revoke`, `unjoin`, `cordon` and `uncordon` manage
+//! member clusters.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use flotilla_crds::FederatedMyApp;
+use flotilla_crds::member::{MemberClusterSpec, MemberClusterStatus};
+use flotilla_crds::{FederatedMyApp, MemberCluster};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::jiff::Timestamp;
 use serde::Deserialize;
 use serde_json::Value;
 
 use flotilla_common::kubeconfig::KubeArgs;
 
-use crate::placement::Members;
+use crate::placement::{Member, Members};
 use crate::render::{self, Rendered};
 
 #[derive(Parser, Debug)]
@@ -48,6 +51,10 @@ pub enum Command {
     Certs(CertsArgs),
     /// Preview, offline, exactly the MyApp each cluster would get.
     Render(RenderArgs),
+    /// Keep new replicas off a member cluster; what it runs stays.
+    Cordon(CordonArgs),
+    /// Let new replicas onto a cordoned member cluster again.
+    Uncordon(CordonArgs),
     /// Print the CustomResourceDefinitions Flotilla installs.
     Crds,
     /// Print the version.
@@ -64,11 +71,17 @@ pub struct RenderArgs {
     /// The FederatedMyApp YAML or JSON (`-` reads standard input).
     #[arg(short = 'f', long = "filename")]
     pub file: PathBuf,
-    /// MemberCluster objects (a list, a `kind: List`, or a multi-document stream); only
-    /// names and labels matter. Without it, every cluster named in `placement.clusters`
-    /// counts as registered with no labels.
+    /// MemberCluster objects (a list, a `kind: List`, or a multi-document stream): their
+    /// names, labels, `spec.unschedulable`, and `status` (the `Ready` condition and
+    /// `capacity`) as the hub would see them. Without it, every cluster named in
+    /// `placement.clusters` counts as registered, Ready, with no labels. A `status` on the
+    /// FederatedMyApp is read as the previous division.
     #[arg(long)]
     pub clusters: Option<PathBuf>,
+    /// The time readiness is judged at (RFC 3339), for a reproducible failover preview.
+    /// Default: now.
+    #[arg(long)]
+    pub now: Option<Timestamp>,
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Yaml)]
     pub output: Output,
 }
@@ -89,10 +102,10 @@ pub struct RenderReport {
 pub fn render_command(args: &RenderArgs) -> anyhow::Result<RenderReport> {
     let app: FederatedMyApp = serde_yaml::from_str(&read(&args.file)?)
         .with_context(|| format!("{} is not a FederatedMyApp", args.file.display()))?;
+    let now = args.now.unwrap_or_else(Timestamp::now);
     let members = match &args.clusters {
-        Some(path) => {
-            parse_members(&read(path)?).with_context(|| format!("reading {}", path.display()))?
-        }
+        Some(path) => parse_members(&read(path)?, now)
+            .with_context(|| format!("reading {}", path.display()))?,
         None => named_members(&app),
     };
     let object = format!(
@@ -110,11 +123,29 @@ fn report(object: &str, rendered: &Rendered, output: Output) -> RenderReport {
         .iter()
         .map(|w| format!("warning: {object}: {w}"))
         .collect();
-    stderr.extend(
-        rendered
-            .errors()
-            .map(|(c, e)| format!("error: {object}, cluster {c}: {e}")),
-    );
+    let schedule = &rendered.schedule;
+    let plain = schedule
+        .clusters
+        .values()
+        .all(|a| a.reason == flotilla_crds::federated::SchedulingReason::Duplicated);
+    if schedule.divided || !plain {
+        let each: Vec<String> = schedule
+            .clusters
+            .iter()
+            .map(|(c, a)| format!("{c} {} ({:?})", a.replicas, a.reason))
+            .collect();
+        stderr.push(format!(
+            "schedule: {object}: {} replicas: {}",
+            schedule.total(),
+            each.join(", ")
+        ));
+    }
+    // A failed-over cluster is not an error of the app: its copy is left as it is.
+    let failed_over = |e: &&render::ClusterError| matches!(e, render::ClusterError::FailedOver);
+    stderr.extend(rendered.errors().map(|(c, e)| {
+        let level = if failed_over(&e) { "note" } else { "error" };
+        format!("{level}: {object}, cluster {c}: {e}")
+    }));
     let ok = rendered
         .clusters
         .iter()
@@ -136,7 +167,7 @@ fn report(object: &str, rendered: &Rendered, output: Output) -> RenderReport {
     RenderReport {
         stdout,
         stderr,
-        failed: rendered.errors().next().is_some(),
+        failed: rendered.errors().any(|(_, e)| !failed_over(&e)),
     }
 }
 
@@ -160,7 +191,8 @@ fn named_members(app: &FederatedMyApp) -> Members {
 }
 
 /// MemberClusters from YAML: a sequence, a `kind: List` with `items`, or documents.
-pub fn parse_members(yaml: &str) -> anyhow::Result<Members> {
+/// Readiness is judged at `now`.
+pub fn parse_members(yaml: &str, now: Timestamp) -> anyhow::Result<Members> {
     let mut members = Members::new();
     for doc in serde_yaml::Deserializer::from_str(yaml) {
         let doc = Value::deserialize(doc)?;
@@ -188,7 +220,15 @@ pub fn parse_members(yaml: &str) -> anyhow::Result<Members> {
                 .name
                 .filter(|n| !n.is_empty())
                 .with_context(|| format!("item {i}: metadata.name is missing"))?;
-            members.insert(name, meta.labels.unwrap_or_default());
+            let part = |key: &str| item.get(key).cloned().unwrap_or(Value::Null);
+            let spec: Option<MemberClusterSpec> = serde_json::from_value(part("spec"))
+                .with_context(|| format!("MemberCluster {name}: invalid spec"))?;
+            let status: Option<MemberClusterStatus> = serde_json::from_value(part("status"))
+                .with_context(|| format!("MemberCluster {name}: invalid status"))?;
+            let mut mc = MemberCluster::new(&name, spec.unwrap_or_default());
+            mc.metadata.labels = meta.labels;
+            mc.status = status;
+            members.insert(name, Member::from_cluster(&mc, now));
         }
     }
     Ok(members)
@@ -254,6 +294,12 @@ pub struct UnjoinArgs {
     /// Context of the member cluster, for --delete-workloads.
     #[arg(long, value_name = "NAME", requires = "delete_workloads")]
     pub member_context: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct CordonArgs {
+    /// The MemberCluster's name.
+    pub name: String,
 }
 
 #[derive(clap::Args, Debug)]
@@ -521,6 +567,40 @@ pub async fn unjoin(kube: &KubeArgs, args: &UnjoinArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Sets `spec.unschedulable` with a merge patch, so that nothing else of the spec moves.
+pub async fn cordon(kube: &KubeArgs, args: &CordonArgs, unschedulable: bool) -> anyhow::Result<()> {
+    use kube::api::{Api, Patch, PatchParams};
+    let client = kube
+        .client()
+        .await
+        .context("connecting to the host cluster")?;
+    let api: Api<MemberCluster> = Api::all(client);
+    api.patch(
+        &args.name,
+        &PatchParams::default(),
+        &Patch::Merge(&cordon_patch(unschedulable)),
+    )
+    .await
+    .with_context(|| format!("setting spec.unschedulable of MemberCluster {}", args.name))?;
+    let what = if unschedulable {
+        "cordoned: no new replicas go there, what it runs stays"
+    } else {
+        "uncordoned: it takes new replicas again"
+    };
+    eprintln!("MemberCluster {} {what}", args.name);
+    Ok(())
+}
+
+/// `null` rather than `false` on uncordon: the field reads as absent, as it was before.
+fn cordon_patch(unschedulable: bool) -> Value {
+    let value = if unschedulable {
+        Value::Bool(true)
+    } else {
+        Value::Null
+    };
+    serde_json::json!({"spec": {"unschedulable": value}})
+}
+
 pub fn certs(args: &CertsArgs) -> anyhow::Result<()> {
     let tls = flotilla_common::tls::self_signed("flotilla-hub CA", "flotilla-hub", &args.sans)?;
     std::fs::create_dir_all(&args.out)
@@ -623,5 +703,63 @@ mod join_tests {
         ));
         assert!(parse(&["completion", "zsh"]).is_ok());
         assert!(parse(&["completion", "tcsh"]).is_err());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cordon_patches_only_unschedulable() {
+        assert_eq!(
+            cordon_patch(true),
+            serde_json::json!({"spec": {"unschedulable": true}})
+        );
+        assert_eq!(
+            cordon_patch(false),
+            serde_json::json!({"spec": {"unschedulable": null}})
+        );
+        // Merged onto a spec, uncordon leaves it as if never cordoned.
+        let mut spec = serde_json::json!({"spec": {"tokenSha256": "ab", "unschedulable": true}});
+        json_patch::merge(&mut spec, &cordon_patch(false));
+        let spec: MemberClusterSpec = serde_json::from_value(spec["spec"].clone()).unwrap();
+        assert_eq!(
+            spec,
+            MemberClusterSpec {
+                token_sha256: Some("ab".into()),
+                unschedulable: false
+            }
+        );
+    }
+
+    #[test]
+    fn members_carry_cordon_readiness_and_capacity() {
+        let now: Timestamp = "2025-01-01T01:00:00Z".parse().unwrap();
+        let yaml = "- metadata: {name: a, labels: {region: eu}}\n  spec: {unschedulable: true}\n\
+                    - metadata: {name: b}\n  status:\n    conditions: [{type: Ready, status: 'False', reason: AgentSilent, message: '', lastTransitionTime: '2025-01-01T00:00:00Z'}]\n    \
+                    capacity: {nodes: 1, allocatable: {cpuMillis: 1000, memoryBytes: 1}, requested: {cpuMillis: 0, memoryBytes: 0}, largestFree: {cpuMillis: 1000, memoryBytes: 1}}\n";
+        let m = parse_members(yaml, now).unwrap();
+        assert!(m["a"].unschedulable);
+        assert_eq!(m["a"].labels["region"], "eu");
+        assert_eq!(m["a"].not_ready_for, None);
+        assert_eq!(
+            m["b"].not_ready_for,
+            Some(std::time::Duration::from_secs(3600))
+        );
+        assert_eq!(m["b"].capacity.as_ref().unwrap().nodes, 1);
+    }
+
+    #[test]
+    fn a_bad_member_spec_names_the_cluster() {
+        let e = parse_members(
+            "- metadata: {name: a}\n  spec: {unschedulable: maybe}\n",
+            Timestamp::UNIX_EPOCH,
+        )
+        .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("MemberCluster a: invalid spec"),
+            "{e:#}"
+        );
     }
 }

@@ -301,13 +301,15 @@ impl Index {
         }
     }
 
-    /// Whether `key` is an app this cluster should have: status for anything else is
-    /// refused.
+    /// Whether `key` is this cluster's to report on: an app it should have, is deleting,
+    /// or last said it holds (a MyApp that just left its placement). Status for anything
+    /// else is refused.
     pub fn is_placed(&self, cluster: &str, key: &AppKey) -> bool {
         self.desired
             .get(cluster)
             .is_some_and(|d| d.contains_key(key))
             || self.deleting.get(key).is_some_and(|w| w.contains(cluster))
+            || self.present.get(cluster).is_some_and(|p| p.contains(key))
     }
 
     /// Number of (cluster, app) pairs with an `Apply`.
@@ -649,5 +651,22 @@ mod tests {
         );
         let (_, keys) = ix.connect("c2", &HashMap::new());
         assert!(keys.is_empty());
+    }
+
+    #[test]
+    fn a_cluster_reports_on_what_it_holds_after_the_app_left_its_placement() {
+        let mut ix = Index::default();
+        ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
+        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.set_app(&key("a"), None, plan(&[]));
+        assert!(
+            ix.is_placed("c1", &key("a")),
+            "its removal is still c1's to confirm"
+        );
+        ix.report("c1", &key("a"), Held::Absent);
+        assert!(!ix.is_placed("c1", &key("a")));
+        // Deleting the app now waits for nobody: c1 said it no longer holds it.
+        ix.delete_app(&key("a"), false, &[]);
+        assert!(ix.deletion_waiting_on(&key("a")).is_empty());
     }
 }

@@ -1,10 +1,12 @@
 //! The Flotilla hub. Modules follow the data flow:
-//! `placement` (which clusters), `overrides` (per-cluster changes), `render` (template +
-//! overrides + schema check + hash; pure), `index` (desired state per cluster; pure),
-//! `dispatch` (per-agent queues over the index), `auth` (tokens), `server` (the gRPC
-//! service agents dial), `status` (reports → FederatedMyApp status), `membership`
-//! (MemberCluster watch and heartbeats → MemberCluster status), `controller`
-//! (FederatedMyApp reconcile, finalizer, planning passes), `run` (wiring only), `cli`.
+//! `placement` (which clusters), `schedule` (how many replicas each), `overrides`
+//! (per-cluster changes), `render` (template + schedule + overrides + schema check +
+//! hash; pure), `index` (desired state per cluster; pure), `dispatch` (per-agent queues
+//! over the index), `auth` (tokens), `server` (the gRPC service agents dial), `status`
+//! (reports → FederatedMyApp status), `membership` (MemberCluster watch, heartbeats and
+//! capacity → MemberCluster status), `leader` (which hub replica leads), `controller`
+//! (FederatedMyApp reconcile, finalizer, planning passes), `install` (what `join`
+//! prints), `run` (wiring only), `cli`.
 
 pub mod auth;
 pub mod cli;
@@ -18,5 +20,6 @@ pub mod overrides;
 pub mod placement;
 pub mod render;
 pub mod run;
+pub mod schedule;
 pub mod server;
 pub mod status;

@@ -48,6 +48,8 @@ fn main() -> ExitCode {
                         Command::Join(args) => cli::join(&kube, &args).await,
                         Command::Revoke(args) => cli::revoke(&kube, &args).await,
                         Command::Unjoin(args) => cli::unjoin(&kube, &args).await,
+                        Command::Cordon(args) => cli::cordon(&kube, &args, true).await,
+                        Command::Uncordon(args) => cli::cordon(&kube, &args, false).await,
                         _ => unreachable!("handled above"),
                     }
                 })

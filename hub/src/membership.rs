@@ -29,16 +29,18 @@ use tracing::{info, warn};
 
 use crate::auth;
 use crate::dispatch::Dispatcher;
-use crate::placement::Members;
+use crate::placement::{self, Members};
 use crate::status::status_patch;
 
-/// Registered clusters (names and labels), leaving out those being deleted.
+/// Registered clusters (labels, cordon, readiness, capacity), leaving out those being
+/// deleted.
 pub fn registered(members: &Store<MemberCluster>) -> Members {
+    let now = k8s_openapi::jiff::Timestamp::now();
     members
         .state()
         .iter()
         .filter(|m| m.metadata.deletion_timestamp.is_none())
-        .map(|m| (m.name_any(), m.labels().clone()))
+        .map(|m| (m.name_any(), placement::Member::from_cluster(m, now)))
         .collect()
 }
 
@@ -352,6 +354,7 @@ impl Membership {
             kubernetes_version: m
                 .and_then(|m| m.kubernetes_version.clone())
                 .or_else(|| previous.and_then(|p| p.kubernetes_version.clone())),
+            capacity: previous.and_then(|p| p.capacity.clone()),
         }
     }
 }

@@ -7,12 +7,17 @@
 
 use flotilla_crds::federated::{ClusterOverride, ClusterOverrides, OverrideOp};
 use json_patch::PatchOperation;
+use jsonptr::Pointer;
 use serde_json::{Value, json};
 
 /// The parts of a template an override may change: the spec and the labels and
 /// annotations that are merged onto the MyApp. Name and namespace are not the user's to
 /// vary per cluster.
-const WRITABLE: [&str; 3] = ["/spec", "/metadata/labels", "/metadata/annotations"];
+const WRITABLE: [&Pointer; 3] = [
+    Pointer::from_static("/spec"),
+    Pointer::from_static("/metadata/labels"),
+    Pointer::from_static("/metadata/annotations"),
+];
 
 /// One operation, with the field that holds it (`spec.overrides[0].clusterOverrides[1]`).
 #[derive(Debug, Clone, Copy)]
@@ -76,26 +81,26 @@ pub fn apply(doc: &mut Value, ops: &[Located<'_>]) -> Result<(), OverrideError> 
 }
 
 fn apply_one(doc: &mut Value, o: &ClusterOverride) -> Result<(), String> {
-    let path = o.path.as_str();
-    if !path.starts_with('/') {
-        return Err("path must be a JSON pointer starting with '/', e.g. /spec/replicas".into());
-    }
-    if !WRITABLE.iter().any(|root| is_within(path, root)) {
-        return Err(format!("path must be within {}", WRITABLE.join(", ")));
+    let path = parse(&o.path)?;
+    if !WRITABLE.iter().any(|root| path.starts_with(root)) {
+        let roots: Vec<&str> = WRITABLE.iter().map(|p| p.as_str()).collect();
+        return Err(format!("path must be within {}", roots.join(", ")));
     }
     let value = match (o.op, &o.value) {
         (OverrideOp::Remove, _) => Value::Null,
         (_, Some(v)) => v.clone(),
         (op, None) => return Err(format!("{} needs a value", op_name(op))),
     };
-    if matches!(o.op, OverrideOp::Replace | OverrideOp::Remove) && lookup(doc, path)?.is_none() {
+    if matches!(o.op, OverrideOp::Replace | OverrideOp::Remove)
+        && doc.pointer(path.as_str()).is_none()
+    {
         return Err(format!(
             "nothing at this path in the template; {} needs an existing value (use add to create one)",
             op_name(o.op)
         ));
     }
     let operation: PatchOperation =
-        serde_json::from_value(json!({"op": op_name(o.op), "path": path, "value": value}))
+        serde_json::from_value(json!({"op": op_name(o.op), "path": path.as_str(), "value": value}))
             .map_err(|e| format!("invalid JSON pointer: {e}"))?;
     json_patch::patch(doc, &[operation]).map_err(|e| match e.kind {
         json_patch::PatchErrorKind::InvalidPointer => {
@@ -105,21 +110,15 @@ fn apply_one(doc: &mut Value, o: &ClusterOverride) -> Result<(), String> {
     })
 }
 
-/// True when `path` is `root` or below it, segment-wise (`/spec` does not contain `/specs`).
-pub fn is_within(path: &str, root: &str) -> bool {
-    path.strip_prefix(root)
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
-}
-
-/// Resolves a pointer, rejecting escapes RFC 6901 does not define (`~2`, a trailing `~`).
-fn lookup<'v>(doc: &'v Value, path: &str) -> Result<Option<&'v Value>, String> {
-    let mut chars = path.chars();
-    while let Some(c) = chars.next() {
-        if c == '~' && !matches!(chars.next(), Some('0' | '1')) {
-            return Err("invalid JSON pointer: '~' must be followed by 0 or 1".into());
+/// An RFC 6901 pointer below the root (the root itself is not a path to change).
+fn parse(path: &str) -> Result<&Pointer, String> {
+    match Pointer::parse(path) {
+        Ok(p) if !p.is_root() => Ok(p),
+        Err(e) if e.is_invalid_encoding() => {
+            Err("invalid JSON pointer: '~' must be followed by 0 or 1".into())
         }
+        _ => Err("path must be a JSON pointer starting with '/', e.g. /spec/replicas".into()),
     }
-    Ok(doc.pointer(path))
 }
 
 #[cfg(test)]
@@ -350,10 +349,24 @@ mod tests {
     }
 
     #[test]
-    fn segment_aware_prefix() {
-        assert!(is_within("/spec", "/spec"));
-        assert!(is_within("/spec/replicas", "/spec"));
-        assert!(!is_within("/specs", "/spec"));
-        assert!(!is_within("/metadata/name", "/metadata/labels"));
+    fn writable_roots_are_matched_segment_wise() {
+        for path in [
+            "/spec",
+            "/spec/replicas",
+            "/metadata/labels",
+            "/metadata/labels/a~1b",
+        ] {
+            assert!(run(&[op(Add, path, Some(json!("x")))]).is_ok(), "{path}");
+        }
+        for path in ["/specs", "/metadata/labelsx", "/metadata/name", "/spe"] {
+            let e = err(&[op(Add, path, Some(json!("x")))]);
+            assert!(e.reason.contains("must be within"), "{path}: {e}");
+        }
+    }
+
+    #[test]
+    fn trailing_tilde_is_an_invalid_escape() {
+        let e = err(&[op(Replace, "/spec/config/m~", Some(json!("x")))]);
+        assert!(e.reason.contains("'~' must be followed by 0 or 1"), "{e}");
     }
 }

@@ -6,16 +6,75 @@
 //! is sorted and free of duplicates, so equal inputs give equal outputs.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
+use flotilla_crds::MemberCluster;
 use flotilla_crds::federated::Placement;
+use flotilla_crds::member::ClusterCapacity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
+use k8s_openapi::jiff::Timestamp;
 use kube::core::{Selector, SelectorExt};
 
-/// What placement needs to know of a registered member cluster.
 pub type Labels = BTreeMap<String, String>;
 
+/// What placement and scheduling need to know of a registered member cluster.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Member {
+    pub labels: Labels,
+    /// Cordoned (`spec.unschedulable`): keeps what it runs, gets nothing new.
+    pub unschedulable: bool,
+    /// How long its `Ready` condition has been False; `None` while Ready or not yet known.
+    pub not_ready_for: Option<Duration>,
+    /// What its agent last reported.
+    pub capacity: Option<ClusterCapacity>,
+}
+
+impl Member {
+    pub fn with_labels(labels: Labels) -> Self {
+        Self {
+            labels,
+            ..Self::default()
+        }
+    }
+
+    /// Reads a MemberCluster as of `now` (the only clock input: callers pass it so that
+    /// this stays a plain function).
+    pub fn from_cluster(mc: &MemberCluster, now: Timestamp) -> Self {
+        let status = mc.status.as_ref();
+        let ready = status.and_then(|s| s.conditions.iter().find(|c| c.type_ == "Ready"));
+        let not_ready_for = ready.filter(|c| c.status == "False").map(|c| {
+            let since = c.last_transition_time.0;
+            // A transition stamped in the future (clock skew) counts as just now.
+            Duration::try_from(now.duration_since(since)).unwrap_or_default()
+        });
+        Self {
+            labels: mc.metadata.labels.clone().unwrap_or_default(),
+            unschedulable: mc.spec.unschedulable,
+            not_ready_for,
+            capacity: status.and_then(|s| s.capacity.clone()),
+        }
+    }
+}
+
 /// Registered member clusters by name.
-pub type Members = BTreeMap<String, Labels>;
+pub type Members = BTreeMap<String, Member>;
+
+/// An agent's capacity report as `MemberCluster.status.capacity` shows it.
+pub fn capacity_from_pb(c: &flotilla_proto::v1::Capacity) -> ClusterCapacity {
+    use flotilla_crds::member::Resources;
+    let r = |r: &Option<flotilla_proto::v1::Resources>| {
+        r.as_ref().map_or_else(Resources::default, |r| Resources {
+            cpu_millis: r.cpu_millis,
+            memory_bytes: r.memory_bytes,
+        })
+    };
+    ClusterCapacity {
+        nodes: c.nodes,
+        allocatable: r(&c.allocatable),
+        requested: r(&c.requested),
+        largest_free: r(&c.largest_free),
+    }
+}
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Decision {
@@ -45,10 +104,10 @@ pub fn place(placement: &Placement, members: &Members) -> Result<Decision, Selec
     let Some(selector) = &placement.cluster_selector else {
         return Ok(Decision::default());
     };
-    let selector = parse_selector(selector)?;
+    let selector = parse_selector(selector, "spec.placement.clusterSelector")?;
     let clusters = members
         .iter()
-        .filter(|(_, labels)| selector.matches(labels))
+        .filter(|(_, m)| selector.matches(&m.labels))
         .map(|(name, _)| name.clone())
         .collect();
     Ok(Decision {
@@ -63,16 +122,18 @@ fn owned(names: Vec<&str>) -> Vec<String> {
 
 /// Validates the selector as the apiserver does for Deployments (kube's own conversion
 /// accepts `In` with no values) and turns it into a matcher.
-fn parse_selector(selector: &LabelSelector) -> Result<Selector, SelectorError> {
-    const FIELD: &str = "spec.placement.clusterSelector";
+pub(crate) fn parse_selector(
+    selector: &LabelSelector,
+    field: &str,
+) -> Result<Selector, SelectorError> {
     for (i, req) in selector.match_expressions.iter().flatten().enumerate() {
         check_requirement(req).map_err(|reason| SelectorError {
-            field: format!("{FIELD}.matchExpressions[{i}]"),
+            field: format!("{field}.matchExpressions[{i}]"),
             reason,
         })?;
     }
     Selector::try_from(selector.clone()).map_err(|e| SelectorError {
-        field: FIELD.into(),
+        field: field.into(),
         reason: e.0,
     })
 }
@@ -112,10 +173,12 @@ mod tests {
         ] {
             m.insert(
                 name.into(),
-                labels
-                    .into_iter()
-                    .map(|(k, v)| (k.into(), v.into()))
-                    .collect(),
+                Member::with_labels(
+                    labels
+                        .into_iter()
+                        .map(|(k, v)| (k.into(), v.into()))
+                        .collect(),
+                ),
             );
         }
         m
@@ -129,7 +192,7 @@ mod tests {
                     .map(|n| ClusterRef { name: (*n).into() })
                     .collect(),
             ),
-            cluster_selector: None,
+            ..Placement::default()
         }
     }
 
@@ -155,6 +218,7 @@ mod tests {
                         .collect()
                 }),
             }),
+            ..Placement::default()
         }
     }
 
@@ -256,6 +320,79 @@ mod tests {
                 .clusters
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn capacity_from_the_wire() {
+        use flotilla_proto::v1 as pb;
+        let wire = pb::Capacity {
+            nodes: 2,
+            allocatable: Some(pb::Resources {
+                cpu_millis: 4000,
+                memory_bytes: 8,
+            }),
+            requested: None,
+            largest_free: Some(pb::Resources {
+                cpu_millis: 1,
+                memory_bytes: 2,
+            }),
+        };
+        let c = capacity_from_pb(&wire);
+        assert_eq!(
+            (
+                c.nodes,
+                c.allocatable.cpu_millis,
+                c.allocatable.memory_bytes
+            ),
+            (2, 4000, 8)
+        );
+        assert_eq!(
+            c.requested,
+            Default::default(),
+            "absent reads as nothing requested"
+        );
+        assert_eq!(
+            (c.largest_free.cpu_millis, c.largest_free.memory_bytes),
+            (1, 2)
+        );
+    }
+
+    fn cluster(yaml: &str) -> MemberCluster {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn member_reads_labels_cordon_readiness_and_capacity() {
+        let now: Timestamp = "2025-01-01T00:10:00Z".parse().unwrap();
+        let mc = cluster(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: MemberCluster\nmetadata: {name: c1, labels: {region: eu}}\n\
+             spec: {unschedulable: true}\nstatus:\n  conditions:\n  - {type: Ready, status: 'False', reason: AgentSilent, message: '', lastTransitionTime: '2025-01-01T00:05:00Z'}\n  \
+             capacity: {nodes: 2, allocatable: {cpuMillis: 4000, memoryBytes: 8}, requested: {cpuMillis: 1000, memoryBytes: 2}, largestFree: {cpuMillis: 2000, memoryBytes: 4}}\n",
+        );
+        let m = Member::from_cluster(&mc, now);
+        assert_eq!(m.labels["region"], "eu");
+        assert!(m.unschedulable);
+        assert_eq!(m.not_ready_for, Some(Duration::from_secs(300)));
+        assert_eq!(m.capacity.unwrap().nodes, 2);
+    }
+
+    #[test]
+    fn member_ready_unknown_or_skewed_is_not_counted_as_down_for_long() {
+        let now: Timestamp = "2025-01-01T00:00:00Z".parse().unwrap();
+        let fresh = cluster(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: MemberCluster\nmetadata: {name: c1}\nspec: {}\n",
+        );
+        assert_eq!(Member::from_cluster(&fresh, now), Member::default());
+        for (status, want) in [("'True'", None), ("'False'", Some(Duration::ZERO))] {
+            let mc = cluster(&format!(
+                "apiVersion: core.kubefed.io/v1beta1\nkind: MemberCluster\nmetadata: {{name: c1}}\nspec: {{}}\nstatus:\n  conditions:\n  - {{type: Ready, status: {status}, reason: r, message: '', lastTransitionTime: '2025-01-01T00:05:00Z'}}\n"
+            ));
+            assert_eq!(
+                Member::from_cluster(&mc, now).not_ready_for,
+                want,
+                "{status}"
+            );
+        }
     }
 
     #[test]

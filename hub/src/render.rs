@@ -1,20 +1,27 @@
 //! Render: one FederatedMyApp and the registered clusters in, exactly the MyApp each
 //! placed cluster must run out. Pure: no I/O, no clock, equal inputs give equal bytes.
 //!
-//! Per cluster: template → that cluster's overrides → check against the MyApp CRD's own
-//! `v1` schema (the member's apiserver enforces it again) → content hash → JSON bytes,
-//! serialized once here so that pushing to an agent never re-serializes.
+//! Placement → schedule (replicas per cluster) → per cluster with replicas: template
+//! with the assigned replicas → that cluster's overrides → check against the MyApp CRD's
+//! own `v1` schema (the member's apiserver enforces it again) → content hash → JSON
+//! bytes, serialized once here so that pushing to an agent never re-serializes.
+//!
+//! Under a divided mode the schedule owns `/spec/replicas`: an override that changes it
+//! is that cluster's error (its copy is kept), since it would silently break the total.
 
 use std::collections::BTreeMap;
 use std::sync::LazyLock;
 
 use bytes::Bytes;
 use flotilla_crds::FederatedMyApp;
+use flotilla_crds::federated::SchedulingReason;
+use jsonptr::{Pointer, Token};
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
 use crate::overrides::{self, Located, OverrideError};
 use crate::placement::{self, Members, SelectorError};
+use crate::schedule::{self, Schedule, ScheduleError};
 
 pub use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, SOURCE_ANNOTATION};
 
@@ -40,6 +47,14 @@ pub enum ClusterError {
     UnknownCluster,
     #[error("{0}")]
     Override(#[from] OverrideError),
+    #[error(
+        "NotReady past the failover grace period: its replicas moved to other clusters; its MyApp is left as it is until the cluster is Ready again"
+    )]
+    FailedOver,
+    #[error(
+        "{culprit} changes /spec/replicas, which spec.placement.replicaScheduling sets to {assigned} for this cluster; bound it with replicaScheduling.preferences[].minReplicas/maxReplicas instead"
+    )]
+    ReplicasOverridden { assigned: u32, culprit: String },
     #[error("the rendered MyApp is invalid at {path}: {reason}{}", culprit.as_ref().map(|f| format!(" (set by {f})")).unwrap_or_default())]
     Invalid {
         /// Pointer into the MyApp, e.g. `/spec/replicas`.
@@ -56,6 +71,18 @@ pub struct Rendered {
     pub clusters: BTreeMap<String, Result<RenderedMyApp, ClusterError>>,
     /// Things the user wrote that have no effect, e.g. overrides for unplaced clusters.
     pub warnings: Vec<String>,
+    /// How many replicas each placed cluster runs and why (for status). Under Duplicated,
+    /// what each rendered MyApp asks for after overrides.
+    pub schedule: Schedule,
+}
+
+/// Why nothing of an app can be rendered: every cluster keeps what it has.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AppError {
+    #[error(transparent)]
+    Placement(#[from] SelectorError),
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
 }
 
 impl Rendered {
@@ -66,11 +93,15 @@ impl Rendered {
     }
 }
 
-/// Places and renders one FederatedMyApp. Fails as a whole only when the placement
-/// itself is invalid; each cluster's failure is that cluster's alone.
-pub fn render(app: &FederatedMyApp, members: &Members) -> Result<Rendered, SelectorError> {
+/// Places, schedules and renders one FederatedMyApp. Fails as a whole only when the
+/// placement or the division is invalid; each cluster's failure is that cluster's alone.
+pub fn render(app: &FederatedMyApp, members: &Members) -> Result<Rendered, AppError> {
     let decision = placement::place(&app.spec.placement, members)?;
-    let mut out = Rendered::default();
+    let inputs = schedule::Inputs::for_app(app, &decision.clusters, members)?;
+    let mut out = Rendered {
+        schedule: schedule::schedule(&inputs)?,
+        ..Rendered::default()
+    };
     for o in &app.spec.overrides {
         if decision.clusters.binary_search(&o.cluster_name).is_err() {
             out.warnings.push(format!(
@@ -83,9 +114,25 @@ pub fn render(app: &FederatedMyApp, members: &Members) -> Result<Rendered, Selec
     let namespace = app.metadata.namespace.as_deref().unwrap_or("default");
     let name = app.metadata.name.as_deref().unwrap_or_default();
     for cluster in &decision.clusters {
+        let Some(assigned) = out.schedule.clusters.get_mut(cluster) else {
+            continue;
+        };
+        if assigned.reason == SchedulingReason::FailedOver {
+            out.clusters
+                .insert(cluster.clone(), Err(ClusterError::FailedOver));
+            continue;
+        }
+        if assigned.replicas == 0 {
+            continue;
+        }
         let ops = overrides::for_cluster(&app.spec.overrides, cluster);
-        out.clusters
-            .insert(cluster.clone(), render_one(&base, &ops, namespace, name));
+        let replicas = out.schedule.divided.then_some(assigned.replicas);
+        let result = render_one(&base, &ops, namespace, name, replicas);
+        if let (false, Ok(r)) = (out.schedule.divided, &result) {
+            let asked = r.to_value()["spec"]["replicas"].as_u64().unwrap_or(1);
+            assigned.replicas = asked as u32;
+        }
+        out.clusters.insert(cluster.clone(), result);
     }
     for cluster in decision.unknown {
         out.clusters
@@ -113,16 +160,30 @@ fn template_doc(app: &FederatedMyApp) -> Value {
     doc
 }
 
+const REPLICAS: &Pointer = Pointer::from_static("/spec/replicas");
+
 fn render_one(
     base: &Value,
     ops: &[Located<'_>],
     namespace: &str,
     name: &str,
+    replicas: Option<u32>,
 ) -> Result<RenderedMyApp, ClusterError> {
     let mut doc = base.clone();
+    if let Some(n) = replicas {
+        doc["spec"]["replicas"] = json!(n);
+    }
     overrides::apply(&mut doc, ops)?;
+    if let Some(n) = replicas
+        && doc.pointer(REPLICAS.as_str()) != Some(&json!(n))
+    {
+        return Err(ClusterError::ReplicasOverridden {
+            assigned: n,
+            culprit: culprit(ops, REPLICAS).unwrap_or_else(|| "an override".into()),
+        });
+    }
     let invalid = |path: String, reason: String| ClusterError::Invalid {
-        culprit: culprit(ops, &path),
+        culprit: Pointer::parse(&path).ok().and_then(|p| culprit(ops, p)),
         path,
         reason,
     };
@@ -158,24 +219,26 @@ fn render_one(
 
 /// Labels and annotations must stay maps of strings whatever the overrides did.
 fn string_map(doc: &Value, key: &str) -> Result<Map<String, Value>, (String, String)> {
-    let path = format!("/metadata/{key}");
-    let map = match doc.pointer(&path) {
+    let path = jsonptr::PointerBuf::from_tokens(["metadata", key]);
+    let map = match doc.pointer(path.as_str()) {
         None | Some(Value::Null) => return Ok(Map::new()),
         Some(Value::Object(map)) => map,
-        Some(_) => return Err((path, "must be a map of strings".into())),
+        Some(_) => return Err((path.to_string(), "must be a map of strings".into())),
     };
     if let Some((k, _)) = map.iter().find(|(_, v)| !v.is_string()) {
-        let escaped = k.replace('~', "~0").replace('/', "~1");
-        return Err((format!("{path}/{escaped}"), "must be a string".into()));
+        let path = path.with_trailing_token(Token::new(k.as_str()));
+        return Err((path.to_string(), "must be a string".into()));
     }
     Ok(map.clone())
 }
 
 /// The last override that wrote at, above or below `path`: the one to blame.
-fn culprit(ops: &[Located<'_>], path: &str) -> Option<String> {
+fn culprit(ops: &[Located<'_>], path: &Pointer) -> Option<String> {
     ops.iter()
         .rev()
-        .find(|o| overrides::is_within(path, &o.op.path) || overrides::is_within(&o.op.path, path))
+        .find(|o| {
+            Pointer::parse(&o.op.path).is_ok_and(|op| path.starts_with(op) || op.starts_with(path))
+        })
         .map(Located::field)
 }
 
@@ -237,7 +300,7 @@ mod tests {
     use super::*;
     use flotilla_crds::federated::ClusterOverrides;
 
-    const SEED: &str = include_str!("../../../shared/fixtures/seed/federatedmyapp.yaml");
+    const SEED: &str = include_str!("../../examples/federatedmyapp.yaml");
 
     fn app(yaml: &str) -> FederatedMyApp {
         serde_yaml::from_str(yaml).expect("valid FederatedMyApp YAML")
@@ -247,6 +310,18 @@ mod tests {
         names
             .iter()
             .map(|n| ((*n).to_owned(), Default::default()))
+            .collect()
+    }
+
+    fn replicas(r: &Rendered) -> BTreeMap<&str, Value> {
+        r.clusters
+            .iter()
+            .filter_map(|(c, m)| {
+                Some((
+                    c.as_str(),
+                    m.as_ref().ok()?.to_value()["spec"]["replicas"].clone(),
+                ))
+            })
             .collect()
     }
 
@@ -490,7 +565,9 @@ mod tests {
         let a = app(
             "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: s}\nspec:\n  placement:\n    clusterSelector: {matchExpressions: [{key: region, operator: In}]}\n",
         );
-        let e = render(&a, &members(&["c1"])).unwrap_err();
+        let AppError::Placement(e) = render(&a, &members(&["c1"])).unwrap_err() else {
+            panic!("a selector error")
+        };
         assert_eq!(
             e.field,
             "spec.placement.clusterSelector.matchExpressions[0]"
@@ -507,5 +584,123 @@ mod tests {
             ok(&r, "c1")["spec"]["strategy"],
             json!({"maxUnavailable": 2})
         );
+    }
+
+    fn weighted(extra: &str) -> FederatedMyApp {
+        app(&format!(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {{name: web, namespace: prod}}\n\
+             spec:\n  placement:\n    clusters: [{{name: c1}}, {{name: c2}}, {{name: c3}}]\n    \
+             replicaScheduling: {{mode: Weighted, totalReplicas: 12, preferences: [{{clusterNames: [c1], weight: 2}}, {{clusterNames: [c3], weight: 0}}]}}\n  \
+             template:\n    spec: {{replicas: 3, image: 'nginx:1.27'}}\n{extra}"
+        ))
+    }
+
+    #[test]
+    fn a_division_writes_each_clusters_replicas_and_skips_clusters_with_none() {
+        let r = render(&weighted(""), &members(&["c1", "c2", "c3"])).unwrap();
+        assert_eq!(replicas(&r), [("c1", json!(8)), ("c2", json!(4))].into());
+        assert!(!r.clusters.contains_key("c3"), "assigned 0: no MyApp");
+        assert_eq!(r.schedule.clusters["c3"].replicas, 0);
+        assert_eq!(r.schedule.total(), 12);
+    }
+
+    #[test]
+    fn an_override_of_replicas_under_a_division_is_that_clusters_error() {
+        for op in [
+            "{path: /spec/replicas, value: 5}",
+            "{op: remove, path: /spec/replicas}",
+            "{op: replace, path: /spec, value: {image: 'nginx:1'}}",
+        ] {
+            let a = weighted(&format!(
+                "  overrides:\n  - clusterName: c2\n    clusterOverrides:\n    - {{op: add, path: /spec/port, value: 80}}\n    - {op}\n"
+            ));
+            let r = render(&a, &members(&["c1", "c2", "c3"])).unwrap();
+            assert!(r.clusters["c1"].is_ok());
+            assert_eq!(
+                err(&r, "c2"),
+                &ClusterError::ReplicasOverridden {
+                    assigned: 4,
+                    culprit: "spec.overrides[0].clusterOverrides[1]".into()
+                },
+                "{op}"
+            );
+        }
+        // Setting it to what the division says anyway is harmless.
+        let a = weighted(
+            "  overrides:\n  - clusterName: c2\n    clusterOverrides:\n    - {path: /spec/replicas, value: 4}\n",
+        );
+        assert!(render(&a, &members(&["c1", "c2", "c3"])).unwrap().clusters["c2"].is_ok());
+    }
+
+    #[test]
+    fn duplicated_status_shows_what_each_cluster_runs_after_overrides() {
+        let r = render(&app(SEED), &members(&["cluster1", "cluster2"])).unwrap();
+        assert!(!r.schedule.divided);
+        let got: Vec<_> = r
+            .schedule
+            .clusters
+            .values()
+            .map(|a| (a.replicas, a.reason))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (3, SchedulingReason::Duplicated),
+                (5, SchedulingReason::Duplicated)
+            ]
+        );
+    }
+
+    #[test]
+    fn an_infeasible_division_fails_the_whole_app() {
+        let a = app(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: big}\nspec:\n  placement:\n    \
+             clusters: [{name: c1}]\n    replicaScheduling: {mode: Weighted, totalReplicas: 11}\n",
+        );
+        let AppError::Schedule(e) = render(&a, &members(&["c1"])).unwrap_err() else {
+            panic!("a schedule error")
+        };
+        assert_eq!(e.field, "spec.placement.replicaScheduling.totalReplicas");
+    }
+
+    #[test]
+    fn a_failed_over_cluster_is_left_as_it_is() {
+        let mut a = weighted("");
+        a.spec.placement.failover = Some(Default::default());
+        let mut m = members(&["c1", "c2", "c3"]);
+        m.get_mut("c1").unwrap().not_ready_for = Some(schedule::DEFAULT_GRACE);
+        // c2 alone cannot hold 12: nothing moves, and the app says why.
+        let e = render(&a, &m).unwrap_err();
+        assert!(
+            e.to_string().contains("1 cluster(s) take no new replicas"),
+            "{e}"
+        );
+        a.spec
+            .placement
+            .replica_scheduling
+            .as_mut()
+            .unwrap()
+            .total_replicas = Some(9);
+        let r = render(&a, &m).unwrap();
+        assert_eq!(err(&r, "c1"), &ClusterError::FailedOver);
+        assert_eq!(replicas(&r), [("c2", json!(9))].into());
+        assert!(!r.clusters.contains_key("c3"));
+    }
+
+    #[test]
+    fn bad_requests_under_capacity_name_the_field() {
+        let a = app(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: c}\nspec:\n  placement:\n    \
+             clusters: [{name: c1}]\n    replicaScheduling: {mode: Capacity}\n  template:\n    spec: {resources: {requests: {cpu: lots}}}\n",
+        );
+        let e = render(&a, &members(&["c1"])).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "spec.template.spec.resources.requests: cpu: \"lots\" is not a quantity: expected a number"
+        );
+        // Other modes do not read requests (the member's apiserver judges them).
+        let mut dup = a.clone();
+        dup.spec.placement.replica_scheduling = None;
+        assert!(render(&dup, &members(&["c1"])).is_ok());
     }
 }

@@ -254,6 +254,7 @@ pub fn compute(
         placed_clusters: placed,
         ready_clusters: ready_count,
         clusters,
+        ..Default::default()
     }
 }
 
@@ -525,7 +526,8 @@ mod tests {
                 ready: true,
                 ready_replicas: 5,
                 observed_generation: Some(1),
-                message: String::new()
+                message: String::new(),
+                ..Default::default()
             }
         );
     }
