@@ -6,8 +6,9 @@
 //! different state dirs do not see each other; every component gets a port the OS picked.
 //! Teardown does not need kwokctl: it stops the recorded PIDs and removes the work dir.
 
-use crate::env::{ClusterState, Env, workspace_root};
+use crate::env::{ClusterState, Env};
 use crate::process::{self, ProcessRecord};
+use crate::support::workspace_root;
 use anyhow::{Context, Result, bail};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -218,8 +219,11 @@ fn components(workdir: &Path, name: &str) -> Result<Vec<ProcessRecord>> {
         else {
             continue;
         };
-        let exe = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if !String::from_utf8_lossy(&exe).starts_with(&*cluster.to_string_lossy()) {
+        let program = i32::try_from(pid)
+            .ok()
+            .and_then(|pid| procfs::process::Process::new(pid).ok()?.cmdline().ok())
+            .and_then(|args| args.into_iter().next());
+        if !program.is_some_and(|p| Path::new(&p).starts_with(&cluster)) {
             continue;
         }
         let log = cluster.join("logs").join(format!("{component}.log"));

@@ -2,7 +2,8 @@
 //! against an environment that it brings up if none is running and tears down again
 //! (even when something failed or it was interrupted).
 
-use crate::env::{DIR_VAR, Provider, workspace_root};
+use crate::env::{DIR_VAR, Provider};
+use crate::support::workspace_root;
 use anyhow::{Result, anyhow};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;

@@ -6,14 +6,15 @@
 //! first member cluster. Needs a running environment (`cargo run -p flotilla-e2e -- up`).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use flotilla_crds::{MyApp, MyAppStatus};
-use flotilla_e2e::federation::{Federation, agent_name, free_addr, http_get};
+use flotilla_e2e::federation::{Federation, agent_name};
+use flotilla_e2e::support::{cargo_binaries, free_addr, http_get, workspace_root};
 use flotilla_e2e::{Env, ProcessRecord, wait_for};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
@@ -32,22 +33,12 @@ const CHECKSUM: &str = "checksum/config";
 const CRD: &str = "myapps.app.example.com";
 
 /// The `flotilla-agent` binary, built once per test run so the tests never run a stale one.
-fn agent_binary() -> &'static str {
-    static BIN: OnceLock<String> = OnceLock::new();
+fn agent_binary() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let out = Command::new(cargo)
-            .args(["build", "-p", "flotilla-agent", "--bin", "flotilla-agent"])
-            .args(["--message-format", "json-render-diagnostics"])
-            .current_dir(flotilla_e2e::env::workspace_root())
-            .output()
-            .expect("running cargo build");
-        assert!(out.status.success(), "building flotilla-agent failed");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .filter(|m| m["target"]["name"] == "flotilla-agent")
-            .find_map(|m| m["executable"].as_str().map(str::to_string))
+        cargo_binaries(&[("flotilla-agent", "flotilla-agent")])
+            .expect("building flotilla-agent")
+            .remove("flotilla-agent")
             .expect("cargo names the flotilla-agent executable")
     })
 }
@@ -650,7 +641,7 @@ const AGENT_SA: &str = "system:serviceaccount:flotilla-system:flotilla-agent";
 
 /// Applies the ServiceAccount, ClusterRole and ClusterRoleBinding of `deploy/base/rbac.yaml`.
 async fn apply_deploy_rbac(client: &Client) -> Result<()> {
-    let path = flotilla_e2e::env::workspace_root().join("deploy/base/rbac.yaml");
+    let path = workspace_root().join("deploy/base/rbac.yaml");
     let text = std::fs::read_to_string(&path)?;
     let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "flotilla-system"}}))?;
     let pp = PatchParams::apply("e2e-operator-rbac").force();
