@@ -61,11 +61,23 @@ async fn resynced(f: &Federation, cluster: &str, before: f64) -> Result<()> {
     .await
 }
 
-async fn session(
+/// The one place this suite speaks the wire as an agent would: dial the hub over TLS,
+/// send the bearer `token` on every call, open the session and say Hello as `cluster`.
+/// `Ok(Err(status))` is the hub's refusal. (To move into `flotilla-proto` as the one
+/// client-connect helper, shared with the agent.)
+async fn open_session(
     f: &Federation,
     token: &str,
     cluster: &str,
-) -> Result<Result<Vec<pb::HubMessage>, tonic::Status>> {
+) -> Result<
+    Result<
+        (
+            tokio::sync::mpsc::Sender<pb::AgentMessage>,
+            tonic::Streaming<pb::HubMessage>,
+        ),
+        tonic::Status,
+    >,
+> {
     let ca = std::fs::read(&f.hub_ca)?;
     let channel = Endpoint::from_shared(f.hub_grpc.clone())?
         .tls_config(
@@ -92,11 +104,23 @@ async fn session(
         kind: Some(agent_message::Kind::Hello(hello)),
     })
     .await?;
-    let mut inbound = match client
+    match client
         .session(tokio_stream::wrappers::ReceiverStream::new(rx))
         .await
     {
-        Ok(r) => r.into_inner(),
+        Ok(r) => Ok(Ok((tx, r.into_inner()))),
+        Err(status) => Ok(Err(status)),
+    }
+}
+
+/// A session as `cluster` with `token`: every message up to SyncComplete, or the refusal.
+async fn session(
+    f: &Federation,
+    token: &str,
+    cluster: &str,
+) -> Result<Result<Vec<pb::HubMessage>, tonic::Status>> {
+    let (_tx, mut inbound) = match open_session(f, token, cluster).await? {
+        Ok(open) => open,
         Err(status) => return Ok(Err(status)),
     };
     let mut got = Vec::new();

@@ -5,7 +5,7 @@ use std::process::{Command, Output, Stdio};
 
 const SEED: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../../shared/fixtures/seed/federatedmyapp.yaml"
+    "/../examples/federatedmyapp.yaml"
 );
 
 fn hub(args: &[&str], stdin: Option<&str>) -> Output {
