@@ -16,18 +16,26 @@
 //! - [`support`]: workspace root, built binaries, free ports, HTTP GET, metrics samples,
 //! - [`wait`]: the poll helper.
 //!
+//! For the fault suite: [`converge`] (what every member must run vs what it runs),
+//! [`deletions`] (every deletion of a managed MyApp during a test), [`faults`] (kill,
+//! replace, stop and start components) and [`proxy`] (a link that can be cut).
+//!
 //! Then the commands: [`status`] (`flotilla-e2e status`), [`testcmd`] (`flotilla-e2e test`),
 //! [`demo`] and [`latency`].
 
 pub mod cluster;
+pub mod converge;
+pub mod deletions;
 pub mod demo;
 pub mod env;
+pub mod faults;
 pub mod federation;
 pub mod hubcli;
 pub mod kind;
 pub mod latency;
 pub mod local;
 pub mod process;
+pub mod proxy;
 pub mod status;
 pub mod support;
 pub mod testcmd;

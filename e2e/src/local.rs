@@ -195,6 +195,15 @@ fn tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// The pid file kwokctl keeps for `component` of `cluster` in the environment in `dir`.
+pub fn pid_file(dir: &Path, cluster: &str, component: &str) -> PathBuf {
+    dir.join(KWOK_DIR)
+        .join("clusters")
+        .join(cluster)
+        .join("pids")
+        .join(format!("{component}.pid"))
+}
+
 /// The processes kwokctl started for cluster `name`, from its pid files. A PID is only
 /// taken if the process runs one of that cluster's binaries, so a stale pid file never
 /// points us at an unrelated process.

@@ -148,11 +148,18 @@ pub fn spawn(dir: &Path, name: &str, cmd: &mut Command) -> Result<ProcessRecord>
     {
         bail!("process {name} is already running (PID {})", old.pid);
     }
-    let log_path = logs.join(format!("{name}.log"));
+    let record = spawn_detached(name, cmd, &logs.join(format!("{name}.log")))?;
+    save(dir, &record)?;
+    Ok(record)
+}
+
+/// Starts `cmd` in its own process group, output appended to `log`, and lets it run on
+/// after this process; records nothing.
+pub fn spawn_detached(name: &str, cmd: &mut Command, log_path: &Path) -> Result<ProcessRecord> {
     let log = File::options()
         .create(true)
         .append(true)
-        .open(&log_path)
+        .open(log_path)
         .with_context(|| format!("opening {}", log_path.display()))?;
     let child = cmd
         .stdin(Stdio::null())
@@ -161,12 +168,27 @@ pub fn spawn(dir: &Path, name: &str, cmd: &mut Command) -> Result<ProcessRecord>
         .process_group(0)
         .spawn()
         .with_context(|| format!("starting {name}: {cmd:?}"))?;
-    let record = ProcessRecord::observe(name, child.id(), Some(log_path));
-    let path = procs_dir(dir).join(format!("{name}.json"));
-    std::fs::write(&path, serde_json::to_vec_pretty(&record)?)
-        .with_context(|| format!("writing {}", path.display()))?;
     // Dropping a std Child neither waits for nor kills it: the process outlives this one.
-    drop(child);
+    Ok(ProcessRecord::observe(
+        name,
+        child.id(),
+        Some(log_path.to_path_buf()),
+    ))
+}
+
+fn save(dir: &Path, record: &ProcessRecord) -> Result<()> {
+    let path = procs_dir(dir).join(format!("{}.json", record.name));
+    std::fs::write(&path, serde_json::to_vec_pretty(record)?)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Records process `name` as `new_name` instead (its log stays where it is), so that a
+/// new process can be started as `name` while the old one still runs; `down` stops both.
+pub fn rename(dir: &Path, name: &str, new_name: &str) -> Result<ProcessRecord> {
+    let mut record = load(dir, name)?.with_context(|| format!("no process {name} recorded"))?;
+    record.name = new_name.to_string();
+    save(dir, &record)?;
+    std::fs::remove_file(procs_dir(dir).join(format!("{name}.json")))?;
     Ok(record)
 }
 
