@@ -182,6 +182,16 @@ fn save(dir: &Path, record: &ProcessRecord) -> Result<()> {
         .with_context(|| format!("writing {}", path.display()))
 }
 
+/// Forgets the record of process `name` (one that is gone: `down` will not look for it).
+pub fn forget(dir: &Path, name: &str) -> Result<()> {
+    match std::fs::remove_file(procs_dir(dir).join(format!("{name}.json"))) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(e).with_context(|| format!("forgetting process {name}"))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Records process `name` as `new_name` instead (its log stays where it is), so that a
 /// new process can be started as `name` while the old one still runs; `down` stops both.
 pub fn rename(dir: &Path, name: &str, new_name: &str) -> Result<ProcessRecord> {

@@ -16,7 +16,7 @@ use flotilla_e2e::converge::{self, managed_myapps};
 use flotilla_e2e::deletions::DeletionLog;
 use flotilla_e2e::federation::{self, Federation, HUB, agent_name, wait_member_ready};
 use flotilla_e2e::support::sample;
-use flotilla_e2e::{Env, faults, wait_for};
+use flotilla_e2e::{Env, faults, process, wait_for};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -244,6 +244,7 @@ async fn graceful_hub_restart_moves_every_agent_to_the_new_process() -> Result<(
             if !old_gone {
                 let _ = old.stop(Duration::from_secs(5));
             }
+            process::forget(&ctx.env.dir, &old.name)?;
             moved.context("after SIGTERM to the old hub and a new hub at once")?;
             ensure!(
                 old_gone,
@@ -321,7 +322,9 @@ async fn an_agent_cut_off_past_the_heartbeat_grace_keeps_its_apps() -> Result<()
             verdict(&ctx, "agent-blackholed-past-grace", &log, start).await
         }
         .await;
-        (ctx, r)
+        // `up` would see the proxied agent running and keep it: put it back by hand.
+        let direct = faults::agent_direct(&ctx.env, &ctx.f, "cluster1").await;
+        (ctx, r.and(direct))
     })
     .await
 }
@@ -370,6 +373,7 @@ async fn a_second_agent_with_the_same_identity_changes_nothing() -> Result<()> {
             let verdict = verdict(&ctx, "second-agent-same-identity", &log, start).await;
             let twin_ran = twin.alive();
             twin.stop(Duration::from_secs(10))?;
+            process::forget(&ctx.env.dir, &twin.name)?;
             burst?;
             if !twin_ran {
                 // Not a failure by itself (a refused twin may exit), but say so.
