@@ -351,6 +351,11 @@ async fn a_member_cluster_deleted_and_recreated_with_its_token_deletes_nothing()
                 "spec": mc.spec,
             }))?;
             members.create(&PostParams::default(), &again).await?;
+            // The agent connects right after the re-creation (its session was dropped, or
+            // it restarted): its SyncComplete must reflect the apps placed on cluster1.
+            let agent = agent_name("cluster1");
+            faults::sigkill(&ctx.env, &ctx.f, &agent)?;
+            faults::start(&ctx.env, &ctx.f, &agent).await?;
             wait_member_ready(&ctx.host, "cluster1", true, Duration::from_secs(60)).await?;
             verdict(&ctx, "membercluster-recreated-same-token", &log, start).await
         }
