@@ -58,10 +58,9 @@ pub async fn replace_hub(env: &Env, f: &Federation) -> Result<(ProcessRecord, Pr
     Ok((old, new))
 }
 
-/// A control-plane process stopped by [`stop_component`], with what it takes to start it
-/// again exactly as kwokctl did.
+/// A control-plane process as kwokctl started it: what it takes to start it again.
 #[derive(Debug, Clone)]
-pub struct Stopped {
+pub struct Component {
     pub cluster: String,
     pub component: String,
     argv: Vec<String>,
@@ -72,7 +71,16 @@ pub struct Stopped {
 
 /// Stops `component` (e.g. `kube-apiserver`) of `cluster` (SIGTERM, SIGKILL after 15s).
 /// Local provider only.
-pub fn stop_component(env: &Env, cluster: &str, component: &str) -> Result<Stopped> {
+pub fn stop_component(env: &Env, cluster: &str, component: &str) -> Result<Component> {
+    let (record, stopped) = capture(env, cluster, component)?;
+    record.stop(Duration::from_secs(15))?;
+    Ok(stopped)
+}
+
+/// How `component` of `cluster` runs now. kube-controller-manager and kube-scheduler exit
+/// when their apiserver is gone longer than their leader lease (as in a real cluster,
+/// where the kubelet restarts them): capture them before, [`revive`] them after.
+pub fn capture(env: &Env, cluster: &str, component: &str) -> Result<(ProcessRecord, Component)> {
     let name = format!("{cluster}/{component}");
     let record = env
         .cluster(cluster)?
@@ -83,7 +91,7 @@ pub fn stop_component(env: &Env, cluster: &str, component: &str) -> Result<Stopp
         .clone();
     let proc = procfs::process::Process::new(i32::try_from(record.pid)?)
         .with_context(|| format!("reading /proc of {name} (PID {})", record.pid))?;
-    let stopped = Stopped {
+    let stopped = Component {
         cluster: cluster.into(),
         component: component.into(),
         argv: proc.cmdline()?,
@@ -100,13 +108,30 @@ pub fn stop_component(env: &Env, cluster: &str, component: &str) -> Result<Stopp
             .collect(),
         log: record.log.clone(),
     };
-    record.stop(Duration::from_secs(15))?;
-    Ok(stopped)
+    Ok((record, stopped))
+}
+
+/// Starts again those of `components` that are not running.
+pub fn revive(env: &mut Env, components: &[Component]) -> Result<Vec<String>> {
+    let mut revived = Vec::new();
+    for c in components {
+        let name = format!("{}/{}", c.cluster, c.component);
+        let running = env
+            .cluster(&c.cluster)?
+            .components
+            .iter()
+            .any(|p| p.name == name && p.alive());
+        if !running {
+            start_component(env, c)?;
+            revived.push(name);
+        }
+    }
+    Ok(revived)
 }
 
 /// Starts a component stopped by [`stop_component`] with the same command line,
 /// directory and environment, and records the new PID where `down` looks for it.
-pub fn start_component(env: &mut Env, stopped: &Stopped) -> Result<ProcessRecord> {
+pub fn start_component(env: &mut Env, stopped: &Component) -> Result<ProcessRecord> {
     let name = format!("{}/{}", stopped.cluster, stopped.component);
     let (program, args) = stopped
         .argv

@@ -266,13 +266,22 @@ async fn a_member_apiserver_stopped_for_30s_recovers() -> Result<()> {
         let r = async {
             let log = DeletionLog::start(&ctx.env).await?;
             let start = Instant::now();
+            let clients: Vec<faults::Component> = ["kube-controller-manager", "kube-scheduler"]
+                .into_iter()
+                .map(|c| faults::capture(&env, "cluster2", c).map(|(_, c)| c))
+                .collect::<Result<_>>()?;
             let stopped = faults::stop_component(&env, "cluster2", "kube-apiserver")?;
             // The desired state moves on while cluster2 cannot apply anything.
             let changed = ctx.burst(BURST / 5, usize::MAX, || async { Ok(()) }).await;
             tokio::time::sleep(Duration::from_secs(30).saturating_sub(start.elapsed())).await;
             faults::start_component(&mut env, &stopped)?;
+            // Those that lost their leader lease exited; a kubelet would start them again.
+            let revived = faults::revive(&mut env, &clients)?;
+            eprintln!("started again after the outage: {revived:?}");
             changed?;
-            verdict(&ctx, "member-apiserver-down-30s", &log, start).await
+            let verdict = verdict(&ctx, "member-apiserver-down-30s", &log, start).await;
+            faults::revive(&mut env, &clients)?;
+            verdict
         }
         .await;
         (ctx, r)
