@@ -197,10 +197,13 @@ impl Fixture {
 
 impl Drop for Fixture {
     fn drop(&mut self) {
-        if let Some(operator) = &self.own
-            && let Err(e) = operator.stop(Duration::from_secs(5))
-        {
-            eprintln!("stopping {}: {e:#}", operator.name);
+        if let Some(operator) = &self.own {
+            let stopped = operator
+                .stop(Duration::from_secs(5))
+                .and_then(|()| flotilla_e2e::process::forget(&self.env.dir, &operator.name));
+            if let Err(e) = stopped {
+                eprintln!("stopping {}: {e:#}", operator.name);
+            }
         }
         // The namespace goes with everything in it; nobody waits for that. A fresh client
         // on a fresh runtime: the test's runtime is blocked in this very drop.
