@@ -42,13 +42,91 @@ pub fn self_signed(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rcgen::PublicKeyData;
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+    use webpki::{EndEntityCert, KeyUsage, anchor_from_trusted_cert};
+
+    fn der(pem: &str) -> CertificateDer<'static> {
+        CertificateDer::from_pem_slice(pem.as_bytes()).expect("one PEM certificate")
+    }
+
+    /// Verifies `cert_pem` for TLS server use against `ca_pem` as the only trust anchor,
+    /// now, as a TLS client does; then checks it is valid for `name`.
+    fn verify(ca_pem: &str, cert_pem: &str, name: &str) -> Result<(), webpki::Error> {
+        let ca = der(ca_pem);
+        let anchors = [anchor_from_trusted_cert(&ca)?.to_owned()];
+        let leaf = der(cert_pem);
+        let leaf = EndEntityCert::try_from(&leaf)?;
+        leaf.verify_for_usage(
+            webpki::ALL_VERIFICATION_ALGS,
+            &anchors,
+            &[],
+            UnixTime::now(),
+            KeyUsage::server_auth(),
+            None,
+            None,
+        )?;
+        let name = ServerName::try_from(name).expect("a DNS name or an IP address");
+        leaf.verify_is_valid_for_subject_name(&name)
+    }
+
+    fn hosts() -> Vec<String> {
+        vec!["localhost".into(), "127.0.0.1".into(), "::1".into()]
+    }
 
     #[test]
-    fn the_certificate_is_for_the_hosts_and_signed_by_a_separate_ca() {
-        let s = self_signed("test CA", "test", &["localhost".into(), "127.0.0.1".into()]).unwrap();
-        assert!(s.ca_pem.starts_with("-----BEGIN CERTIFICATE-----"));
-        assert!(s.cert_pem.starts_with("-----BEGIN CERTIFICATE-----"));
-        assert!(s.key_pem.contains("PRIVATE KEY"));
+    fn the_certificate_chains_to_its_ca_and_is_valid_for_every_host() {
+        let s = self_signed("test CA", "test", &hosts()).unwrap();
+        for host in ["localhost", "127.0.0.1", "::1"] {
+            verify(&s.ca_pem, &s.cert_pem, host).unwrap_or_else(|e| panic!("{host}: {e}"));
+        }
+    }
+
+    #[test]
+    fn the_certificate_is_for_nothing_else() {
+        let s = self_signed("test CA", "test", &hosts()).unwrap();
+        for other in ["example.com", "localhost.example", "127.0.0.2", "::2"] {
+            assert!(
+                matches!(
+                    verify(&s.ca_pem, &s.cert_pem, other),
+                    Err(webpki::Error::CertNotValidForName(_))
+                ),
+                "valid for {other}"
+            );
+        }
+        // The CN is no name a client accepts; only the SANs are.
+        assert!(verify(&s.ca_pem, &s.cert_pem, "test").is_err());
+    }
+
+    #[test]
+    fn another_ca_does_not_vouch_for_it_nor_does_it_vouch_for_itself() {
+        let s = self_signed("test CA", "test", &hosts()).unwrap();
+        let other = self_signed("test CA", "test", &hosts()).unwrap();
+        // Same CA name, other key: the signature does not verify.
+        let forged = verify(&other.ca_pem, &s.cert_pem, "localhost");
+        assert!(
+            matches!(
+                forged,
+                Err(webpki::Error::InvalidSignatureForPublicKey | webpki::Error::UnknownIssuer)
+            ),
+            "{forged:?}"
+        );
+        // A leaf used as an anchor signs nothing: it is no CA.
+        assert!(verify(&s.cert_pem, &other.cert_pem, "localhost").is_err());
         assert_ne!(s.ca_pem, s.cert_pem);
+    }
+
+    #[test]
+    fn the_key_is_the_certificate_s() {
+        // The private key's public half is the one the certificate carries.
+        let s = self_signed("test CA", "test", &hosts()).unwrap();
+        let key = KeyPair::from_pem(&s.key_pem).unwrap();
+        let cert = der(&s.cert_pem);
+        let spki = key.subject_public_key_info();
+        assert!(
+            cert.windows(spki.len()).any(|w| w == spki.as_slice()),
+            "the certificate does not hold the key's public key"
+        );
     }
 }

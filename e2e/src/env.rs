@@ -4,6 +4,7 @@
 //! different directories coexist.
 
 use crate::process::{self, ProcessRecord};
+use crate::support::workspace_root;
 use anyhow::{Context, Result, bail};
 use kube::Client;
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -51,12 +52,6 @@ pub struct Env {
     pub dir: PathBuf,
     pub provider: Provider,
     pub clusters: Vec<ClusterState>,
-}
-
-/// The workspace root, known at compile time (the binary and the tests live in it).
-pub fn workspace_root() -> PathBuf {
-    let e2e = Path::new(env!("CARGO_MANIFEST_DIR"));
-    e2e.parent().unwrap_or(e2e).to_path_buf()
 }
 
 /// `$FLOTILLA_E2E_DIR`, or `<workspace>/target/e2e`. A relative path is taken from the
@@ -206,26 +201,20 @@ impl Env {
     pub fn spawn(&self, name: &str, cmd: &mut Command) -> Result<ProcessRecord> {
         process::spawn(&self.dir, name, cmd)
     }
-
-    /// Stops every process started with [`Env::spawn`].
-    pub fn stop_processes(&self) -> Result<()> {
-        process::stop_all(&self.dir)
-    }
 }
 
-/// Removes what `up` wrote (state, kubeconfigs, the federation's certificates and
-/// tokens); logs stay for post-mortems.
+/// Removes the state and kubeconfigs `up` wrote; logs stay for post-mortems.
 pub(crate) fn remove_state(dir: &Path) -> Result<()> {
-    // The federation's launch records, certificates and tokens go too.
-    let federation = [crate::federation::state_path(dir), dir.join("federation")];
-    for p in [dir.join(STATE_FILE), dir.join("kubeconfigs")]
-        .into_iter()
-        .chain(federation)
-    {
+    remove_all(&[dir.join(STATE_FILE), dir.join("kubeconfigs")])
+}
+
+/// Removes files and directories; those already gone are fine.
+pub(crate) fn remove_all(paths: &[PathBuf]) -> Result<()> {
+    for p in paths {
         let r = if p.is_dir() {
-            std::fs::remove_dir_all(&p)
+            std::fs::remove_dir_all(p)
         } else {
-            std::fs::remove_file(&p)
+            std::fs::remove_file(p)
         };
         match r {
             Ok(()) => {}

@@ -1,7 +1,8 @@
 //! Flotilla itself in the environment: `flotilla-hub run` against the host and one
 //! `flotilla-agent run` per member, as local processes with real TLS (a CA made by
 //! `flotilla-hub certs`) and one token per cluster (issued by `flotilla-hub join`).
-//! Every launch is recorded so that tests can restart a component exactly as it was.
+//! Every launch is recorded in `federation.json`, so that tests can stop, kill and start
+//! a component exactly as it was, or a variant of it (through a proxy, a twin).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,13 +13,19 @@ use anyhow::{Context, Result, bail};
 use flotilla_crds::MemberCluster;
 use kube::Api;
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::env::{Env, workspace_root};
-use crate::process;
+use crate::env::Env;
+use crate::hubcli::HubCli;
+use crate::process::{self, ProcessRecord};
+use crate::support::{cargo_binaries, free_addr, http_get};
 
 const STATE_FILE: &str = "federation.json";
 pub const HUB: &str = "flotilla-hub";
+/// How long the hub waits for heartbeats before a member is NotReady. Shorter than the
+/// hub's default (40s) so that the fault suite sees it happen within seconds.
+pub const HEARTBEAT_GRACE: Duration = Duration::from_secs(6);
+/// The agents' heartbeat interval: a third of the grace, so one late beat is no outage.
+pub const HEARTBEAT: Duration = Duration::from_secs(2);
 
 /// How one component was started.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -28,6 +35,23 @@ pub struct Launch {
     pub kubeconfig: PathBuf,
     /// `host:port` of its /healthz, /readyz and /metrics.
     pub http: String,
+}
+
+impl Launch {
+    /// The value of `--NAME=VALUE` in its arguments.
+    pub fn arg(&self, name: &str) -> Option<&str> {
+        let prefix = format!("--{name}=");
+        self.args.iter().find_map(|a| a.strip_prefix(&prefix))
+    }
+
+    /// Sets `--NAME=VALUE` (replacing it if present); `None` removes it.
+    pub fn set_arg(&mut self, name: &str, value: Option<&str>) {
+        let prefix = format!("--{name}=");
+        self.args.retain(|a| !a.starts_with(&prefix));
+        if let Some(v) = value {
+            self.args.push(format!("{prefix}{v}"));
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -47,35 +71,21 @@ pub fn agent_name(cluster: &str) -> String {
 }
 
 /// The directory holding `flotilla-hub` and `flotilla-agent`: `$FLOTILLA_BIN_DIR`, or
-/// the workspace's debug build, built now.
-fn binaries() -> Result<PathBuf> {
+/// wherever cargo builds them (built now if stale).
+fn binaries() -> Result<(PathBuf, PathBuf)> {
     if let Some(dir) = std::env::var_os("FLOTILLA_BIN_DIR") {
-        return Ok(PathBuf::from(dir));
+        let dir = PathBuf::from(dir);
+        return Ok((dir.join("flotilla-hub"), dir.join("flotilla-agent")));
     }
-    let root = workspace_root();
-    let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(["build", "-q", "-p", "flotilla-hub", "-p", "flotilla-agent"])
-        .current_dir(&root)
-        .status()
-        .context("running cargo build for flotilla-hub and flotilla-agent")?;
-    if !status.success() {
-        bail!("building flotilla-hub and flotilla-agent failed");
-    }
-    Ok(root.join("target/debug"))
-}
-
-/// `127.0.0.1:PORT` with a port free right now.
-pub fn free_addr() -> Result<String> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-    Ok(listener.local_addr()?.to_string())
-}
-
-fn run_ok(cmd: &mut Command) -> Result<()> {
-    let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
-    if !out.status.success() {
-        bail!("{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    Ok(())
+    let mut built = cargo_binaries(&[
+        ("flotilla-hub", "flotilla-hub"),
+        ("flotilla-agent", "flotilla-agent"),
+    ])?;
+    let hub = built.remove("flotilla-hub").context("no flotilla-hub")?;
+    let agent = built
+        .remove("flotilla-agent")
+        .context("no flotilla-agent")?;
+    Ok((hub, agent))
 }
 
 impl Federation {
@@ -83,31 +93,60 @@ impl Federation {
         let path = env.dir.join(STATE_FILE);
         let bytes = std::fs::read(&path)
             .with_context(|| format!("reading {} (is the environment up?)", path.display()))?;
-        Ok(serde_json::from_slice(&bytes)?)
+        serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))
     }
 
     fn save(&self, env: &Env) -> Result<()> {
-        Ok(std::fs::write(
-            env.dir.join(STATE_FILE),
-            serde_json::to_vec_pretty(self)?,
-        )?)
+        let path = env.dir.join(STATE_FILE);
+        std::fs::write(&path, serde_json::to_vec_pretty(self)?)
+            .with_context(|| format!("writing {}", path.display()))
+    }
+
+    /// How component `name` was launched.
+    pub fn launch(&self, name: &str) -> Result<&Launch> {
+        self.components.get(name).with_context(|| {
+            let known: Vec<&String> = self.components.keys().collect();
+            format!("no component {name} in the federation (it has {known:?})")
+        })
+    }
+
+    /// The hub's admin CLI against the host.
+    pub fn hub_cli(&self) -> Result<HubCli> {
+        let hub = self.launch(HUB)?;
+        Ok(HubCli {
+            program: hub.program.clone(),
+            kubeconfig: hub.kubeconfig.clone(),
+        })
     }
 
     /// Starts a recorded component (it must not be running).
-    pub fn start(&self, env: &Env, name: &str) -> Result<()> {
-        let launch = self
-            .components
-            .get(name)
-            .with_context(|| format!("no component {name}"))?;
-        let mut cmd = Command::new(&launch.program);
-        cmd.args(&launch.args)
-            .env("KUBECONFIG", &launch.kubeconfig)
-            .env("RUST_LOG", "info");
-        env.spawn(name, &mut cmd)?;
-        Ok(())
+    pub fn start(&self, env: &Env, name: &str) -> Result<ProcessRecord> {
+        spawn(env, name, self.launch(name)?)
     }
 
-    /// Stops a component by its recorded PID.
+    /// Starts a variant of component `name` under the name `as_name` (its own log and
+    /// PID record, stopped by `down`): `edit` changes the launch first.
+    pub fn start_variant(
+        &self,
+        env: &Env,
+        name: &str,
+        as_name: &str,
+        edit: impl FnOnce(&mut Launch),
+    ) -> Result<(ProcessRecord, Launch)> {
+        let mut launch = self.launch(name)?.clone();
+        edit(&mut launch);
+        Ok((spawn(env, as_name, &launch)?, launch))
+    }
+
+    /// The running process of component `name`, by its PID record.
+    pub fn process(&self, env: &Env, name: &str) -> Result<ProcessRecord> {
+        process::records(&env.dir)?
+            .into_iter()
+            .find(|r| r.name == name && r.alive())
+            .with_context(|| format!("{name} is not running"))
+    }
+
+    /// Stops a component by its recorded PID (SIGTERM, SIGKILL after 10s).
     pub fn stop(&self, env: &Env, name: &str) -> Result<()> {
         for record in process::records(&env.dir)?
             .into_iter()
@@ -126,23 +165,35 @@ impl Federation {
     }
 
     pub async fn wait_ready(&self, name: &str) -> Result<()> {
-        let http = &self.components[name].http;
-        crate::wait_for(
-            Duration::from_secs(60),
-            &format!("{name} /readyz"),
-            || async { Ok(matches!(http_get(http, "/readyz").await, Ok((200, _))).then_some(())) },
-        )
-        .await
+        wait_http_ready(name, &self.launch(name)?.http).await
     }
 
     /// A component's /metrics text.
     pub async fn metrics(&self, name: &str) -> Result<String> {
-        let (code, body) = http_get(&self.components[name].http, "/metrics").await?;
+        let (code, body) = http_get(&self.launch(name)?.http, "/metrics").await?;
         if code != 200 {
             bail!("{name} /metrics answered {code}");
         }
         Ok(body)
     }
+}
+
+fn spawn(env: &Env, name: &str, launch: &Launch) -> Result<ProcessRecord> {
+    let mut cmd = Command::new(&launch.program);
+    cmd.args(&launch.args)
+        .env("KUBECONFIG", &launch.kubeconfig)
+        .env("RUST_LOG", "info");
+    env.spawn(name, &mut cmd)
+}
+
+/// Waits until `http` (a component's health address) answers /readyz with 200.
+pub async fn wait_http_ready(name: &str, http: &str) -> Result<()> {
+    crate::wait_for(
+        Duration::from_secs(60),
+        &format!("{name} /readyz"),
+        || async { Ok(matches!(http_get(http, "/readyz").await, Ok((200, _))).then_some(())) },
+    )
+    .await
 }
 
 /// Starts the hub and one agent per member unless they already run; returns when every
@@ -161,54 +212,43 @@ pub async fn up(env: &Env) -> Result<Federation> {
             existing.stop(env, name)?;
         }
     }
-    let bin = binaries()?;
+    let (hub_bin, agent_bin) = binaries()?;
     let dir = env.dir.join("federation");
     let tls = dir.join("tls");
-    run_ok(
-        Command::new(bin.join("flotilla-hub"))
-            .args(["certs", "--out"])
-            .arg(&tls),
-    )?;
     let host_kubeconfig = env.kubeconfig(env.host())?.to_path_buf();
+    let cli = HubCli {
+        program: hub_bin.clone(),
+        kubeconfig: host_kubeconfig.clone(),
+    };
+    cli.certs(&tls)?;
     let grpc = free_addr()?;
     let mut components = BTreeMap::new();
     let hub_http = free_addr()?;
     components.insert(
         HUB.to_owned(),
         Launch {
-            program: bin.join("flotilla-hub"),
+            program: hub_bin,
             args: vec![
                 "run".into(),
                 format!("--grpc-addr={grpc}"),
                 format!("--http-addr={hub_http}"),
                 format!("--tls-cert={}", tls.join("tls.crt").display()),
                 format!("--tls-key={}", tls.join("tls.key").display()),
-                "--heartbeat-grace=15s".into(),
+                format!("--heartbeat-grace={}s", HEARTBEAT_GRACE.as_secs()),
             ],
-            kubeconfig: host_kubeconfig.clone(),
+            kubeconfig: host_kubeconfig,
             http: hub_http,
         },
     );
     let mut tokens = BTreeMap::new();
     for member in env.members() {
         let token = dir.join(format!("{member}.token"));
-        run_ok(
-            Command::new(bin.join("flotilla-hub"))
-                .args([
-                    "join",
-                    member,
-                    "--label",
-                    &format!("name={member}"),
-                    "--token-file",
-                ])
-                .arg(&token)
-                .env("KUBECONFIG", &host_kubeconfig),
-        )?;
+        cli.join(member, &[("name", member)], &token)?;
         let (http, webhook) = (free_addr()?, free_addr()?);
         components.insert(
             agent_name(member),
             Launch {
-                program: bin.join("flotilla-agent"),
+                program: agent_bin.clone(),
                 args: vec![
                     "run".into(),
                     format!("--hub=https://{grpc}"),
@@ -219,7 +259,7 @@ pub async fn up(env: &Env) -> Result<Federation> {
                     format!("--http-addr={http}"),
                     format!("--webhook-addr={webhook}"),
                     format!("--webhook-url=https://{webhook}/convert"),
-                    "--heartbeat=5s".into(),
+                    format!("--heartbeat={}s", HEARTBEAT.as_secs()),
                 ],
                 kubeconfig: env.kubeconfig(member)?.to_path_buf(),
                 http,
@@ -240,56 +280,74 @@ pub async fn up(env: &Env) -> Result<Federation> {
     for name in federation.components.keys() {
         federation.wait_ready(name).await?;
     }
-    let members: Api<MemberCluster> = Api::all(env.client(env.host()).await?);
+    let client = env.client(env.host()).await?;
     for member in env.members() {
-        crate::wait_for(
-            Duration::from_secs(30),
-            &format!("MemberCluster {member} Ready"),
-            || async {
-                let mc = members.get(member).await?;
-                let ready = mc
-                    .status
-                    .iter()
-                    .flat_map(|s| &s.conditions)
-                    .any(|c| c.type_ == "Ready" && c.status == "True");
-                Ok(ready.then_some(()))
-            },
-        )
-        .await?;
+        wait_member_ready(&client, member, true, Duration::from_secs(30)).await?;
     }
     Ok(federation)
 }
 
-/// A plain HTTP/1.0 GET on loopback: (status code, body).
-pub async fn http_get(addr: &str, path: &str) -> Result<(u16, String)> {
-    let mut stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .with_context(|| format!("connecting to {addr}"))?;
-    stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await?;
-    let code = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .context("malformed HTTP response")?;
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    Ok((code, body))
+/// Whether MemberCluster `mc` has condition Ready=True.
+pub fn member_ready(mc: &MemberCluster) -> bool {
+    mc.status
+        .iter()
+        .flat_map(|s| &s.conditions)
+        .any(|c| c.type_ == "Ready" && c.status == "True")
 }
 
-/// Reads a counter's value from Prometheus text, 0 when absent.
-pub fn counter(metrics: &str, name_and_labels: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(name_and_labels)?.trim().parse().ok())
-        .unwrap_or(0.0)
+/// Waits until MemberCluster `member` on the host is Ready (`ready`) or not.
+pub async fn wait_member_ready(
+    host: &kube::Client,
+    member: &str,
+    ready: bool,
+    timeout: Duration,
+) -> Result<()> {
+    let members: Api<MemberCluster> = Api::all(host.clone());
+    let state = if ready { "Ready" } else { "NotReady" };
+    crate::wait_for(
+        timeout,
+        &format!("MemberCluster {member} {state}"),
+        || async {
+            let mc = members.get(member).await?;
+            Ok((member_ready(&mc) == ready).then_some(()))
+        },
+    )
+    .await
 }
 
-pub fn state_path(dir: &Path) -> PathBuf {
-    dir.join(STATE_FILE)
+/// Removes the federation's launch records, certificates and tokens.
+pub(crate) fn remove_state(dir: &Path) -> Result<()> {
+    crate::env::remove_all(&[dir.join(STATE_FILE), dir.join("federation")])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn launch_args_are_read_replaced_and_removed_by_name() {
+        let mut l = Launch {
+            program: "agent".into(),
+            args: vec![
+                "run".into(),
+                "--hub=https://a:1".into(),
+                "--hub-ca-file=/ca".into(),
+            ],
+            kubeconfig: "k".into(),
+            http: "h".into(),
+        };
+        assert_eq!(l.arg("hub"), Some("https://a:1"));
+        assert_eq!(l.arg("hu"), None, "a prefix of a name is another name");
+        l.set_arg("hub", Some("https://b:2"));
+        assert_eq!(l.arg("hub"), Some("https://b:2"));
+        assert_eq!(
+            l.arg("hub-ca-file"),
+            Some("/ca"),
+            "a longer name is untouched"
+        );
+        l.set_arg("hub-ca-file", None);
+        assert_eq!(l.args, ["run", "--hub=https://b:2"]);
+        l.set_arg("new", Some("x"));
+        assert_eq!(l.arg("new"), Some("x"));
+    }
 }

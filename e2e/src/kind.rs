@@ -7,7 +7,7 @@
 //!
 //! Not run on our own machines (no Docker engine there): kept small and plain.
 
-use crate::env::Env;
+use crate::env::{ClusterState, Env};
 use anyhow::{Context, Result, bail};
 use std::path::Path;
 use std::process::Stdio;
@@ -33,10 +33,30 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
-/// The API server listens on 127.0.0.1 at a port Docker picks.
-const KIND_CONFIG: &str = "kind: Cluster\n\
-                           apiVersion: kind.x-k8s.io/v1alpha4\n\
-                           networking:\n  apiServerAddress: \"127.0.0.1\"\n  apiServerPort: 0\n";
+/// kind's cluster configuration: the API server listens on 127.0.0.1 at a port Docker picks.
+fn kind_config() -> String {
+    let config = serde_json::json!({
+        "kind": "Cluster",
+        "apiVersion": "kind.x-k8s.io/v1alpha4",
+        "networking": {"apiServerAddress": "127.0.0.1", "apiServerPort": 0},
+    });
+    serde_yaml::to_string(&config).expect("a JSON value serializes as YAML")
+}
+
+/// `kind create cluster` arguments for cluster `cluster` of `env`; `image` pins a node image.
+fn create_args(env: &Env, cluster: &ClusterState, config: &Path, image: &str) -> Vec<String> {
+    let mut args: Vec<String> = ["create", "cluster", "--name"].map(String::from).to_vec();
+    args.push(kind_name(env, &cluster.name));
+    args.push("--kubeconfig".into());
+    args.push(cluster.kubeconfig.to_string_lossy().into());
+    args.push("--config".into());
+    args.push(config.to_string_lossy().into());
+    args.extend(["--wait".into(), "180s".into()]);
+    if !image.is_empty() {
+        args.extend(["--image".into(), image.to_string()]);
+    }
+    args
+}
 
 async fn kind(args: &[&str]) -> Result<String> {
     let out = tokio::process::Command::new(kind_bin())
@@ -66,14 +86,14 @@ async fn kind(args: &[&str]) -> Result<String> {
 
 pub async fn up(env: &mut Env) -> Result<()> {
     let config = env.dir.join("kind.yaml");
-    std::fs::write(&config, KIND_CONFIG)?;
-    let config = config.to_string_lossy().into_owned();
+    std::fs::write(&config, kind_config())?;
     let existing = kind(&["get", "clusters"]).await?;
+    let image = std::env::var("FLOTILLA_KIND_IMAGE").unwrap_or_default();
     for c in &env.clusters {
         let name = kind_name(env, &c.name);
-        let kubeconfig = c.kubeconfig.to_string_lossy().into_owned();
         if existing.lines().any(|l| l.trim() == name) {
             // Idempotent: an existing cluster only gets its kubeconfig written again.
+            let kubeconfig = c.kubeconfig.to_string_lossy().into_owned();
             kind(&[
                 "export",
                 "kubeconfig",
@@ -85,19 +105,8 @@ pub async fn up(env: &mut Env) -> Result<()> {
             .await?;
             continue;
         }
-        let mut args = vec![
-            "create",
-            "cluster",
-            "--name",
-            &name,
-            "--kubeconfig",
-            &kubeconfig,
-        ];
-        args.extend(["--config", &config, "--wait", "180s"]);
-        let image = std::env::var("FLOTILLA_KIND_IMAGE").unwrap_or_default();
-        if !image.is_empty() {
-            args.extend(["--image", &image]);
-        }
+        let args = create_args(env, c, &config, &image);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         kind(&args)
             .await
             .with_context(|| format!("creating kind cluster {name}"))?;
@@ -140,10 +149,58 @@ mod tests {
 
     #[test]
     fn kind_config_listens_on_loopback_at_a_random_port() {
-        let v: serde_yaml::Value = serde_yaml::from_str(KIND_CONFIG).unwrap();
+        let v: serde_yaml::Value = serde_yaml::from_str(&kind_config()).unwrap();
+        assert_eq!(v["kind"], "Cluster");
         assert_eq!(v["apiVersion"], "kind.x-k8s.io/v1alpha4");
         assert_eq!(v["networking"]["apiServerAddress"], "127.0.0.1");
         assert_eq!(v["networking"]["apiServerPort"], 0);
+    }
+
+    fn env_in(dir: &str) -> Env {
+        Env {
+            dir: dir.into(),
+            provider: crate::Provider::Kind,
+            clusters: vec![ClusterState {
+                name: "cluster1".into(),
+                role: crate::Role::Member,
+                kubeconfig: format!("{dir}/kubeconfigs/cluster1.yaml").into(),
+                components: vec![],
+            }],
+        }
+    }
+
+    #[test]
+    fn create_args_name_the_cluster_by_state_dir_and_write_its_kubeconfig() {
+        let env = env_in("/state/a");
+        let c = &env.clusters[0];
+        let args = create_args(&env, c, Path::new("/state/a/kind.yaml"), "");
+        let name = kind_name(&env, "cluster1");
+        assert_eq!(
+            args,
+            [
+                "create",
+                "cluster",
+                "--name",
+                &name,
+                "--kubeconfig",
+                "/state/a/kubeconfigs/cluster1.yaml",
+                "--config",
+                "/state/a/kind.yaml",
+                "--wait",
+                "180s"
+            ]
+        );
+        assert!(
+            name.starts_with("flotilla-") && name.ends_with("-cluster1"),
+            "{name}"
+        );
+        // Another state dir, another Docker-global name: two environments coexist.
+        assert_ne!(kind_name(&env_in("/state/b"), "cluster1"), name);
+        let pinned = create_args(&env, c, Path::new("/k.yaml"), "kindest/node:v1.34.0");
+        assert_eq!(
+            pinned[pinned.len() - 2..],
+            ["--image", "kindest/node:v1.34.0"]
+        );
     }
 
     #[test]

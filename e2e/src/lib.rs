@@ -10,20 +10,34 @@
 //! - [`local`] / [`kind`]: make the clusters (providers),
 //! - [`cluster`]: what every cluster gets once its apiserver answers (CRDs, fake nodes),
 //! - [`env`]: the recorded state, kubeconfigs and clients,
-//! - [`process`]: processes recorded by PID and stopped by PID,
-//! - [`wait`]: the poll helper,
-//! - [`status`]: `flotilla-e2e status`,
-//! - [`testcmd`]: `flotilla-e2e test`, the one test command.
+//! - [`process`]: processes recorded by PID, signalled and stopped by PID,
+//! - [`hubcli`]: the hub's admin commands (`certs`, `join`, `revoke`),
+//! - [`federation`]: the hub and agents, launched and recorded so they can be restarted,
+//! - [`support`]: workspace root, built binaries, free ports, HTTP GET, metrics samples,
+//! - [`wait`]: the poll helper.
+//!
+//! For the fault suite: [`converge`] (what every member must run vs what it runs),
+//! [`deletions`] (every deletion of a managed MyApp during a test), [`faults`] (kill,
+//! replace, stop and start components) and [`proxy`] (a link that can be cut).
+//!
+//! Then the commands: [`status`] (`flotilla-e2e status`), [`testcmd`] (`flotilla-e2e test`),
+//! [`demo`] and [`latency`].
 
 pub mod cluster;
+pub mod converge;
+pub mod deletions;
 pub mod demo;
 pub mod env;
+pub mod faults;
 pub mod federation;
+pub mod hubcli;
 pub mod kind;
 pub mod latency;
 pub mod local;
 pub mod process;
+pub mod proxy;
 pub mod status;
+pub mod support;
 pub mod testcmd;
 pub mod wait;
 
@@ -108,6 +122,7 @@ pub async fn down(dir: &Path) -> Result<()> {
         // The local provider also sweeps its kwok work dir, so a half-made env goes too.
         (_, state) => local::down(dir, state.as_ref())?,
     }
+    federation::remove_state(dir)?;
     env::remove_state(dir)?;
     eprintln!(
         "flotilla-e2e: environment down in {:.1}s",

@@ -6,8 +6,9 @@
 //! different state dirs do not see each other; every component gets a port the OS picked.
 //! Teardown does not need kwokctl: it stops the recorded PIDs and removes the work dir.
 
-use crate::env::{ClusterState, Env, workspace_root};
+use crate::env::{ClusterState, Env};
 use crate::process::{self, ProcessRecord};
+use crate::support::workspace_root;
 use anyhow::{Context, Result, bail};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -194,6 +195,15 @@ fn tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// The pid file kwokctl keeps for `component` of `cluster` in the environment in `dir`.
+pub fn pid_file(dir: &Path, cluster: &str, component: &str) -> PathBuf {
+    dir.join(KWOK_DIR)
+        .join("clusters")
+        .join(cluster)
+        .join("pids")
+        .join(format!("{component}.pid"))
+}
+
 /// The processes kwokctl started for cluster `name`, from its pid files. A PID is only
 /// taken if the process runs one of that cluster's binaries, so a stale pid file never
 /// points us at an unrelated process.
@@ -218,8 +228,11 @@ fn components(workdir: &Path, name: &str) -> Result<Vec<ProcessRecord>> {
         else {
             continue;
         };
-        let exe = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if !String::from_utf8_lossy(&exe).starts_with(&*cluster.to_string_lossy()) {
+        let program = i32::try_from(pid)
+            .ok()
+            .and_then(|pid| procfs::process::Process::new(pid).ok()?.cmdline().ok())
+            .and_then(|args| args.into_iter().next());
+        if !program.is_some_and(|p| Path::new(&p).starts_with(&cluster)) {
             continue;
         }
         let log = cluster.join("logs").join(format!("{component}.log"));

@@ -55,7 +55,7 @@ enum Cmd {
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     let dir = match &cli.dir {
-        Some(d) => env::workspace_root().join(d),
+        Some(d) => flotilla_e2e::support::workspace_root().join(d),
         None => env::default_dir(),
     };
     match run(cli.command, dir).await {

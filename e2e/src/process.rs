@@ -7,6 +7,7 @@
 use anyhow::{Context, Result, bail};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use procfs::process::Process;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::os::unix::process::CommandExt;
@@ -39,8 +40,9 @@ impl ProcessRecord {
     /// Whether this very process still runs (a zombie counts as gone).
     pub fn alive(&self) -> bool {
         match stat(self.pid) {
-            Some((state, started)) => {
-                state != 'Z' && (self.start_time.is_none() || self.start_time == Some(started))
+            Some(stat) => {
+                stat.state != 'Z'
+                    && (self.start_time.is_none() || self.start_time == Some(stat.starttime))
             }
             None => false,
         }
@@ -51,10 +53,27 @@ impl ProcessRecord {
         if !self.alive() {
             return None;
         }
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).ok()?;
-        let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        let kb = proc(self.pid)?.status().ok()?.vmrss?;
         Some(kb * 1024)
+    }
+
+    /// Sends `signal` and returns at once; a process already gone is no error.
+    pub fn signal(&self, signal: Signal) -> Result<()> {
+        if !self.alive() {
+            return Ok(());
+        }
+        let pid = i32::try_from(self.pid).with_context(|| format!("PID {}", self.pid))?;
+        match kill(Pid::from_raw(pid), signal) {
+            Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
+            Err(e) => {
+                Err(e).with_context(|| format!("sending {signal} to {} (PID {pid})", self.name))
+            }
+        }
+    }
+
+    /// Waits up to `within` for the process to be gone; whether it is.
+    pub fn wait_gone(&self, within: Duration) -> bool {
+        wait_gone(std::slice::from_ref(self), within)
     }
 
     /// SIGTERM, then SIGKILL after `grace`; returns once the process is gone.
@@ -67,11 +86,9 @@ impl ProcessRecord {
 /// `grace`; fails naming any that survive.
 pub fn stop_many(procs: &[ProcessRecord], grace: Duration) -> Result<()> {
     let signal_all = |sig: Signal| {
-        for p in procs.iter().filter(|p| p.alive()) {
-            if let Ok(pid) = i32::try_from(p.pid) {
-                // It may exit between the check and the signal: ESRCH is fine.
-                let _ = kill(Pid::from_raw(pid), sig);
-            }
+        for p in procs {
+            // A failure shows below as a process still running.
+            let _ = p.signal(sig);
         }
     };
     signal_all(Signal::SIGTERM);
@@ -103,20 +120,17 @@ fn wait_gone(procs: &[ProcessRecord], within: Duration) -> bool {
     }
 }
 
-/// (state, start time) of a PID, from `/proc/<pid>/stat`.
-fn stat(pid: u32) -> Option<(char, u64)> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name is in parentheses and may hold spaces: parse after the last ')'.
-    let rest = &text[text.rfind(')')? + 1..];
-    let mut fields = rest.split_whitespace();
-    let state = fields.next()?.chars().next()?;
-    // Fields after ')' start at field 3 (state); start time is field 22.
-    let start = fields.nth(18)?.parse().ok()?;
-    Some((state, start))
+fn proc(pid: u32) -> Option<Process> {
+    Process::new(i32::try_from(pid).ok()?).ok()
+}
+
+/// `/proc/<pid>/stat`: the state and the start time (clock ticks since boot).
+fn stat(pid: u32) -> Option<procfs::process::Stat> {
+    proc(pid)?.stat().ok()
 }
 
 fn start_time(pid: u32) -> Option<u64> {
-    stat(pid).map(|(_, t)| t)
+    stat(pid).map(|s| s.starttime)
 }
 
 fn procs_dir(dir: &Path) -> PathBuf {
@@ -134,11 +148,18 @@ pub fn spawn(dir: &Path, name: &str, cmd: &mut Command) -> Result<ProcessRecord>
     {
         bail!("process {name} is already running (PID {})", old.pid);
     }
-    let log_path = logs.join(format!("{name}.log"));
+    let record = spawn_detached(name, cmd, &logs.join(format!("{name}.log")))?;
+    save(dir, &record)?;
+    Ok(record)
+}
+
+/// Starts `cmd` in its own process group, output appended to `log`, and lets it run on
+/// after this process; records nothing.
+pub fn spawn_detached(name: &str, cmd: &mut Command, log_path: &Path) -> Result<ProcessRecord> {
     let log = File::options()
         .create(true)
         .append(true)
-        .open(&log_path)
+        .open(log_path)
         .with_context(|| format!("opening {}", log_path.display()))?;
     let child = cmd
         .stdin(Stdio::null())
@@ -147,12 +168,37 @@ pub fn spawn(dir: &Path, name: &str, cmd: &mut Command) -> Result<ProcessRecord>
         .process_group(0)
         .spawn()
         .with_context(|| format!("starting {name}: {cmd:?}"))?;
-    let record = ProcessRecord::observe(name, child.id(), Some(log_path));
-    let path = procs_dir(dir).join(format!("{name}.json"));
-    std::fs::write(&path, serde_json::to_vec_pretty(&record)?)
-        .with_context(|| format!("writing {}", path.display()))?;
     // Dropping a std Child neither waits for nor kills it: the process outlives this one.
-    drop(child);
+    Ok(ProcessRecord::observe(
+        name,
+        child.id(),
+        Some(log_path.to_path_buf()),
+    ))
+}
+
+fn save(dir: &Path, record: &ProcessRecord) -> Result<()> {
+    let path = procs_dir(dir).join(format!("{}.json", record.name));
+    std::fs::write(&path, serde_json::to_vec_pretty(record)?)
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// Forgets the record of process `name` (one that is gone: `down` will not look for it).
+pub fn forget(dir: &Path, name: &str) -> Result<()> {
+    match std::fs::remove_file(procs_dir(dir).join(format!("{name}.json"))) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(e).with_context(|| format!("forgetting process {name}"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Records process `name` as `new_name` instead (its log stays where it is), so that a
+/// new process can be started as `name` while the old one still runs; `down` stops both.
+pub fn rename(dir: &Path, name: &str, new_name: &str) -> Result<ProcessRecord> {
+    let mut record = load(dir, name)?.with_context(|| format!("no process {name} recorded"))?;
+    record.name = new_name.to_string();
+    save(dir, &record)?;
+    std::fs::remove_file(procs_dir(dir).join(format!("{name}.json")))?;
     Ok(record)
 }
 
@@ -207,18 +253,16 @@ pub fn stop_all(dir: &Path) -> Result<()> {
 pub fn mentioning(marker: &Path) -> Vec<ProcessRecord> {
     let needle = marker.to_string_lossy().into_owned();
     let me = std::process::id();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
+    let Ok(all) = procfs::process::all_processes() else {
         return Vec::new();
     };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| pid != me)
-        .filter_map(|pid| {
-            let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-            let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
-            let name = cmdline.split_whitespace().next()?.to_string();
-            let p = ProcessRecord::observe(&name, pid, None);
-            (cmdline.contains(&needle) && p.alive()).then_some(p)
+    all.filter_map(Result::ok)
+        .filter_map(|p| {
+            let pid = u32::try_from(p.pid).ok().filter(|&pid| pid != me)?;
+            let cmdline = p.cmdline().ok()?;
+            let name = cmdline.first()?.clone();
+            let record = ProcessRecord::observe(&name, pid, None);
+            (cmdline.iter().any(|arg| arg.contains(&needle)) && record.alive()).then_some(record)
         })
         .collect()
 }
@@ -241,6 +285,41 @@ mod tests {
         stop_all(&dir).unwrap();
         assert!(!r.alive());
         assert!(records(&dir).unwrap().is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn mentioning_finds_by_argument_and_sigkill_ends_at_once() {
+        let dir = std::env::temp_dir().join(format!("flotilla-e2e-kill-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // `sleep` started through a link named after the marker, as kwokctl starts our
+        // binaries from its work dir.
+        let marker = dir.join("marker-sleep");
+        let sleep = ["/usr/bin/sleep", "/bin/sleep"]
+            .into_iter()
+            .find(|p| Path::new(p).is_file())
+            .expect("a sleep binary");
+        std::os::unix::fs::symlink(sleep, &marker).unwrap();
+        let r = spawn(&dir, "marked", Command::new(&marker).arg("300")).unwrap();
+        // Between fork and exec the child still shows this test's command line.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let found = loop {
+            let found = mentioning(&marker);
+            if !found.is_empty() || Instant::now() > deadline {
+                break found;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(found.iter().map(|p| p.pid).collect::<Vec<_>>(), [r.pid]);
+        assert!(mentioning(&dir.join("other")).is_empty());
+        r.signal(Signal::SIGKILL).unwrap();
+        assert!(
+            r.wait_gone(Duration::from_secs(5)),
+            "SIGKILL did not end it"
+        );
+        r.signal(Signal::SIGKILL).unwrap();
+        assert!(mentioning(&marker).is_empty());
+        stop_all(&dir).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

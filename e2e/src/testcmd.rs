@@ -2,7 +2,8 @@
 //! against an environment that it brings up if none is running and tears down again
 //! (even when something failed or it was interrupted).
 
-use crate::env::{DIR_VAR, Provider, workspace_root};
+use crate::env::{DIR_VAR, Provider};
+use crate::support::workspace_root;
 use anyhow::{Result, anyhow};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
@@ -45,14 +46,20 @@ pub async fn run(dir: &Path, members: usize, provider: Provider) -> Result<bool>
     let mut interrupted = false;
 
     let unit = cargo(
-        &["test", "--workspace", "--exclude", "flotilla-e2e"],
+        &[
+            "test",
+            "--no-fail-fast",
+            "--workspace",
+            "--exclude",
+            "flotilla-e2e",
+        ],
         dir,
         &mut tally,
     )
     .await;
     interrupted |= unit.is_err();
     steps.push((
-        "unit tests: cargo test --workspace --exclude flotilla-e2e",
+        "unit tests: cargo test --no-fail-fast --workspace --exclude flotilla-e2e",
         matches!(unit, Ok(true)),
     ));
 
@@ -79,10 +86,15 @@ pub async fn run(dir: &Path, members: usize, provider: Provider) -> Result<bool>
         }
     }
     if !interrupted && env_ok {
-        let e2e = cargo(&["test", "-p", "flotilla-e2e"], dir, &mut tally).await;
+        let e2e = cargo(
+            &["test", "--no-fail-fast", "-p", "flotilla-e2e"],
+            dir,
+            &mut tally,
+        )
+        .await;
         interrupted |= e2e.is_err();
         steps.push((
-            "e2e suite: cargo test -p flotilla-e2e",
+            "e2e suite: cargo test --no-fail-fast -p flotilla-e2e",
             matches!(e2e, Ok(true)),
         ));
     }

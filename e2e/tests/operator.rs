@@ -6,14 +6,15 @@
 //! first member cluster. Needs a running environment (`cargo run -p flotilla-e2e -- up`).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use flotilla_crds::{MyApp, MyAppStatus};
-use flotilla_e2e::federation::{Federation, agent_name, free_addr, http_get};
+use flotilla_e2e::federation::{Federation, agent_name};
+use flotilla_e2e::support::{cargo_binaries, free_addr, http_get, workspace_root};
 use flotilla_e2e::{Env, ProcessRecord, wait_for};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
@@ -32,30 +33,19 @@ const CHECKSUM: &str = "checksum/config";
 const CRD: &str = "myapps.app.example.com";
 
 /// The `flotilla-agent` binary, built once per test run so the tests never run a stale one.
-fn agent_binary() -> &'static str {
-    static BIN: OnceLock<String> = OnceLock::new();
+fn agent_binary() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let out = Command::new(cargo)
-            .args(["build", "-p", "flotilla-agent", "--bin", "flotilla-agent"])
-            .args(["--message-format", "json-render-diagnostics"])
-            .current_dir(flotilla_e2e::env::workspace_root())
-            .output()
-            .expect("running cargo build");
-        assert!(out.status.success(), "building flotilla-agent failed");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .filter(|m| m["target"]["name"] == "flotilla-agent")
-            .find_map(|m| m["executable"].as_str().map(str::to_string))
+        cargo_binaries(&[("flotilla-agent", "flotilla-agent")])
+            .expect("building flotilla-agent")
+            .remove("flotilla-agent")
             .expect("cargo names the flotilla-agent executable")
     })
 }
 
-/// A test's world: a fresh namespace on a member cluster with an operator watching it.
-/// When the environment runs Flotilla (`flotilla-agent run` per member), that agent's
-/// operator is the one under test; otherwise the test starts `flotilla-agent operator`
-/// for its namespace alone.
+/// A test's world: a fresh namespace on a member cluster, where the environment's agent
+/// (`flotilla-agent run`, which `up` starts per member) runs the operator under test; or,
+/// for a test that needs another identity, an operator the test starts itself.
 struct Fixture {
     env: Env,
     member: String,
@@ -66,30 +56,15 @@ struct Fixture {
 }
 
 impl Fixture {
-    /// Whether the environment runs an agent (and so an operator and a webhook) per member.
-    fn env_runs_agents(env: &Env) -> bool {
-        Federation::load(env).is_ok()
-    }
-
+    /// A fresh namespace on the first member, whose agent is ready.
     async fn start(test: &str) -> Fixture {
-        Self::start_with(test, false).await
-    }
-
-    /// With `publish`, a test-started operator points the MyApp CRD at its own webhook.
-    async fn start_with(test: &str, publish: bool) -> Fixture {
         let env = Env::load_ready()
             .await
             .unwrap_or_else(|e| panic!("the e2e environment is not up: {e:#}"));
         let member = env.members().first().expect("a member cluster").to_string();
-        let mut fixture = Fixture::new(env, member, test).await;
-        if let Ok(federation) = Federation::load(&fixture.env) {
-            let agent = agent_name(&fixture.member);
-            federation.wait_ready(&agent).await.unwrap();
-        } else {
-            let kubeconfig = fixture.env.kubeconfig(&fixture.member).unwrap().to_owned();
-            fixture.launch(&kubeconfig, publish).await;
-        }
-        fixture
+        let federation = Federation::load(&env).unwrap();
+        federation.wait_ready(&agent_name(&member)).await.unwrap();
+        Fixture::new(env, member, test).await
     }
 
     /// A fresh namespace on `cluster`, no operator yet.
@@ -120,19 +95,17 @@ impl Fixture {
         }
     }
 
-    /// Starts `flotilla-agent operator` for this namespace with `kubeconfig` and waits
-    /// until it is ready.
-    async fn launch(&mut self, kubeconfig: &Path, publish: bool) {
+    /// Starts `flotilla-agent operator` for this namespace with `kubeconfig`, its CRD
+    /// pointed at its own conversion webhook, and waits until it is ready.
+    async fn launch(&mut self, kubeconfig: &Path) {
         let (http_addr, webhook_addr) = (free_addr().unwrap(), free_addr().unwrap());
         let mut cmd = Command::new(agent_binary());
         cmd.env("KUBECONFIG", kubeconfig)
             .args(["operator", "--namespace", &self.namespace])
             .args(["--resync", "5m"])
             .args(["--http-addr", &http_addr])
-            .args(["--webhook-addr", &webhook_addr]);
-        if publish {
-            cmd.args(["--webhook-url", &format!("https://{webhook_addr}/convert")]);
-        }
+            .args(["--webhook-addr", &webhook_addr])
+            .args(["--webhook-url", &format!("https://{webhook_addr}/convert")]);
         let name = format!("operator-{}", self.namespace);
         let operator = self.env.spawn(&name, &mut cmd).unwrap();
         self.own = Some(operator.clone());
@@ -224,10 +197,13 @@ impl Fixture {
 
 impl Drop for Fixture {
     fn drop(&mut self) {
-        if let Some(operator) = &self.own
-            && let Err(e) = operator.stop(Duration::from_secs(5))
-        {
-            eprintln!("stopping {}: {e:#}", operator.name);
+        if let Some(operator) = &self.own {
+            let stopped = operator
+                .stop(Duration::from_secs(5))
+                .and_then(|()| flotilla_e2e::process::forget(&self.env.dir, &operator.name));
+            if let Err(e) = stopped {
+                eprintln!("stopping {}: {e:#}", operator.name);
+            }
         }
         // The namespace goes with everything in it; nobody waits for that. A fresh client
         // on a fresh runtime: the test's runtime is blocked in this very drop.
@@ -401,25 +377,46 @@ async fn apiserver_rejects_invalid_myapps() {
             api.create(&PostParams::default(), &object).await
         }
     };
-    for (name, version, spec) in [
+    // What a user sees: 422 Invalid, naming the field and the rule.
+    for (name, version, spec, says) in [
         (
             "eleven",
             "v1",
             json!({"replicas": 11, "image": "nginx:1.27"}),
+            "spec.replicas in body should be less than or equal to 10",
         ),
-        ("zero", "v1", json!({"replicas": 0, "image": "nginx:1.27"})),
-        ("untagged", "v1", json!({"replicas": 1, "image": "nginx"})),
+        (
+            "zero",
+            "v1",
+            json!({"replicas": 0, "image": "nginx:1.27"}),
+            "spec.replicas in body should be greater than or equal to 1",
+        ),
+        (
+            "untagged",
+            "v1",
+            json!({"replicas": 1, "image": "nginx"}),
+            "spec.image in body should match '^.+:.+$'",
+        ),
         (
             "alpha-eleven",
             "v1alpha1",
             json!({"size": 11, "image": "nginx:1.27"}),
+            "spec.size in body should be less than or equal to 10",
         ),
     ] {
         match post(name, version, spec).await {
-            Err(kube::Error::Api(s)) => assert_eq!(s.code, 422, "{name}: {}", s.message),
+            Err(kube::Error::Api(s)) => {
+                assert_eq!(
+                    (s.code, s.reason.as_str()),
+                    (422, "Invalid"),
+                    "{name}: {s:?}"
+                );
+                assert!(s.message.contains(says), "{name}: {}", s.message);
+            }
             other => panic!("{name} was not rejected: {other:?}"),
         }
     }
+    // The control: the same object with valid values passes.
     post("ten", "v1", json!({"replicas": 10, "image": "nginx:1.27"}))
         .await
         .unwrap();
@@ -449,24 +446,11 @@ async fn conversion_patch(crds: &Api<CustomResourceDefinition>) -> Value {
     json!({"spec": {"conversion": conversion}})
 }
 
+/// Through the webhook of the environment's agent, which published it at start.
 #[tokio::test]
 async fn versions_convert_through_the_webhook() {
-    let env = Env::load_ready().await.unwrap();
-    if Fixture::env_runs_agents(&env) {
-        // The env's agents published their webhook when they started.
-        let f = Fixture::start("convert").await;
-        return convert_both_ways(&f).await.unwrap();
-    }
-    // This test's operator points the CRD at its own webhook, as a local agent does with
-    // --webhook-url; the CRD's previous conversion settings are put back afterwards.
-    let crds = Api::<CustomResourceDefinition>::all(env.client(env.members()[0]).await.unwrap());
-    let previous = conversion_patch(&crds).await;
-    let f = Fixture::start_with("convert", true).await;
-    let result = convert_both_ways(&f).await;
-    crds.patch(CRD, &PatchParams::default(), &Patch::Merge(previous))
-        .await
-        .unwrap();
-    result.unwrap();
+    let f = Fixture::start("convert").await;
+    convert_both_ways(&f).await.unwrap();
 }
 
 async fn convert_both_ways(f: &Fixture) -> Result<()> {
@@ -650,7 +634,7 @@ const AGENT_SA: &str = "system:serviceaccount:flotilla-system:flotilla-agent";
 
 /// Applies the ServiceAccount, ClusterRole and ClusterRoleBinding of `deploy/base/rbac.yaml`.
 async fn apply_deploy_rbac(client: &Client) -> Result<()> {
-    let path = flotilla_e2e::env::workspace_root().join("deploy/base/rbac.yaml");
+    let path = workspace_root().join("deploy/base/rbac.yaml");
     let text = std::fs::read_to_string(&path)?;
     let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": "flotilla-system"}}))?;
     let pp = PatchParams::apply("e2e-operator-rbac").force();
@@ -716,7 +700,7 @@ async fn the_deploy_rbac_is_all_the_operator_needs() {
     let crds = Api::<CustomResourceDefinition>::all(admin.clone());
     let previous = conversion_patch(&crds).await;
     let mut f = Fixture::new(env, host, "rbac").await;
-    f.launch(&path, true).await;
+    f.launch(&path).await;
     let result = async {
         // Written as v1alpha1: the CRD patch and the webhook work under this identity.
         let old: DynamicObject = serde_json::from_value(json!({

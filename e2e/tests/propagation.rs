@@ -12,7 +12,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
-const SEED: &str = include_str!("../../../shared/fixtures/seed/federatedmyapp.yaml");
+const SEED: &str = include_str!("../../examples/federatedmyapp.yaml");
 const TIMEOUT: Duration = Duration::from_secs(60);
 
 struct Clusters {

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use flotilla_crds::{FederatedMyApp, MyApp};
-use flotilla_e2e::federation::{self, Federation, HUB, agent_name};
+use flotilla_e2e::federation::{Federation, HUB, agent_name};
+use flotilla_e2e::support::sample;
 use flotilla_e2e::{Env, wait_for};
 use flotilla_proto::client::{self, Dial, DialError};
 use flotilla_proto::v1::{self as pb, hub_message};
@@ -45,7 +46,7 @@ async fn fingerprint(env: &Env, name: &str) -> Result<BTreeMap<String, (String, 
 
 async fn hub_sent(f: &Federation, cluster: &str, kind: &str) -> Result<f64> {
     let text = f.metrics(HUB).await?;
-    Ok(federation::counter(
+    Ok(sample(
         &text,
         &format!("flotilla_hub_messages_sent_total{{cluster=\"{cluster}\",kind=\"{kind}\"}}"),
     ))
@@ -184,26 +185,8 @@ async fn restarts_resend_nothing_and_credentials_bind_one_cluster() -> Result<()
     // A revoked credential is refused.
     let dir = env.dir.join("federation");
     let token_file = dir.join("revoked-e2e.token");
-    let hub_bin = f.components[HUB].program.clone();
-    let kubeconfig = env.kubeconfig("host")?.to_path_buf();
-    let run = |args: &[&str]| -> Result<()> {
-        let out = std::process::Command::new(&hub_bin)
-            .args(args)
-            .env("KUBECONFIG", &kubeconfig)
-            .output()?;
-        anyhow::ensure!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(())
-    };
-    run(&[
-        "join",
-        "revoked-e2e",
-        "--token-file",
-        token_file.to_str().unwrap(),
-    ])?;
+    let cli = f.hub_cli()?;
+    cli.join("revoked-e2e", &[], &token_file)?;
     let token = std::fs::read_to_string(&token_file)?;
     let messages = wait_for(TIMEOUT, "the joined credential accepted", || async {
         Ok(session(&f, token.trim(), "revoked-e2e").await?.ok())
@@ -215,7 +198,7 @@ async fn restarts_resend_nothing_and_credentials_bind_one_cluster() -> Result<()
     };
     assert!(complete.desired.is_empty(), "{:?}", complete.desired);
     assert!(messages.len() == 1, "{messages:?}");
-    run(&["revoke", "revoked-e2e"])?;
+    cli.revoke("revoked-e2e")?;
     let refused = wait_for(TIMEOUT, "the revoked credential refused", || async {
         let refused = session(&f, token.trim(), "revoked-e2e").await?.err();
         Ok(refused.filter(|s| s.code() == tonic::Code::Unauthenticated))

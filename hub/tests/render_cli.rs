@@ -5,7 +5,7 @@ use std::process::{Command, Output, Stdio};
 
 const SEED: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../../shared/fixtures/seed/federatedmyapp.yaml"
+    "/../examples/federatedmyapp.yaml"
 );
 
 fn hub(args: &[&str], stdin: Option<&str>) -> Output {
@@ -149,4 +149,122 @@ fn crds_prints_the_checked_in_yaml() {
     ))
     .unwrap();
     assert_eq!(text(&out.stdout), checked_in);
+}
+
+// The bad-input catalog, as `flotilla-hub render` shows it: one case per test, each
+// asserting the exact error a user reads, and that the other cluster still renders.
+
+/// Renders web (placed on a and b) with one override for b; returns (stderr, stdout JSON).
+fn render_with_override(case: &str, override_yaml: &str) -> (String, serde_json::Value) {
+    let app = temp_file(
+        &format!("catalog-{case}.yaml"),
+        &format!(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {{name: web, namespace: shop}}\n\
+             spec:\n  placement: {{clusters: [{{name: a}}, {{name: b}}]}}\n  template: {{spec: {{replicas: 2, image: 'nginx:1.27'}}}}\n\
+             \x20 overrides:\n  - clusterName: b\n    clusterOverrides:\n    - {override_yaml}\n"
+        ),
+    );
+    let out = hub(&["render", "-f", app.to_str().unwrap(), "-o", "json"], None);
+    assert!(!out.status.success(), "{case}: a bad override must fail");
+    let stdout = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+    (text(&out.stderr), stdout)
+}
+
+/// The error line is exactly `want`, and cluster a still got its MyApp.
+fn assert_catalog(case: &str, override_yaml: &str, want: &str) {
+    let (stderr, stdout) = render_with_override(case, override_yaml);
+    assert_eq!(stderr.trim_end(), want, "{case}");
+    assert_eq!(stdout["a"]["spec"]["replicas"], 2, "{case}: cluster a");
+    assert!(stdout.get("b").is_none(), "{case}: cluster b rendered");
+}
+
+#[test]
+fn catalog_pointer_without_leading_slash() {
+    assert_catalog(
+        "no-slash",
+        "{path: spec/replicas, value: 2}",
+        "error: FederatedMyApp shop/web, cluster b: spec.overrides[0].clusterOverrides[0] \
+         (replace spec/replicas): path must be a JSON pointer starting with '/', e.g. /spec/replicas",
+    );
+}
+
+#[test]
+fn catalog_pointer_with_a_bad_escape() {
+    assert_catalog(
+        "bad-escape",
+        "{path: \"/spec/replicas~2\", value: 1}",
+        "error: FederatedMyApp shop/web, cluster b: spec.overrides[0].clusterOverrides[0] \
+         (replace /spec/replicas~2): invalid JSON pointer: '~' must be followed by 0 or 1",
+    );
+}
+
+#[test]
+fn catalog_replace_of_a_missing_path() {
+    assert_catalog(
+        "replace-missing",
+        "{path: /spec/nothing/deep, value: 2}",
+        "error: FederatedMyApp shop/web, cluster b: spec.overrides[0].clusterOverrides[0] \
+         (replace /spec/nothing/deep): nothing at this path in the template; replace needs an \
+         existing value (use add to create one)",
+    );
+}
+
+#[test]
+fn catalog_remove_of_a_missing_path() {
+    let (stderr, stdout) =
+        render_with_override("remove-missing", "{path: /spec/config/missing, op: remove}");
+    assert!(
+        stderr.starts_with(
+            "error: FederatedMyApp shop/web, cluster b: spec.overrides[0].clusterOverrides[0] \
+             (remove /spec/config/missing): nothing at this path in the template; remove needs an \
+             existing value"
+        ),
+        "{stderr}"
+    );
+    assert_eq!(stdout["a"]["spec"]["replicas"], 2);
+}
+
+#[test]
+fn catalog_add_without_value() {
+    assert_catalog(
+        "add-no-value",
+        "{path: /spec/replicas, op: add}",
+        "error: FederatedMyApp shop/web, cluster b: spec.overrides[0].clusterOverrides[0] \
+         (add /spec/replicas): add needs a value",
+    );
+}
+
+#[test]
+fn catalog_value_of_the_wrong_type() {
+    assert_catalog(
+        "wrong-type",
+        "{path: /spec/replicas, value: three}",
+        "error: FederatedMyApp shop/web, cluster b: the rendered MyApp is invalid at /spec/replicas: \
+         \"three\" is not of type \"integer\" (set by spec.overrides[0].clusterOverrides[0])",
+    );
+}
+
+#[test]
+fn catalog_path_outside_what_overrides_may_write() {
+    assert_catalog(
+        "status",
+        "{path: /status/ready, value: true}",
+        "error: FederatedMyApp shop/web, cluster b: spec.overrides[0].clusterOverrides[0] \
+         (replace /status/ready): path must be within /spec, /metadata/labels, /metadata/annotations",
+    );
+}
+
+#[test]
+fn catalog_unknown_op_is_refused_before_rendering() {
+    let (stderr, stdout) =
+        render_with_override("unknown-op", "{path: /spec/replicas, op: move, value: 1}");
+    assert!(
+        stderr.starts_with("error: ")
+            && stderr.contains(
+                "is not a FederatedMyApp: spec.overrides[0].clusterOverrides[0].op: unknown variant \
+                 `move`, expected one of `add`, `remove`, `replace`"
+            ),
+        "{stderr}"
+    );
+    assert_eq!(stdout, serde_json::Value::Null, "nothing rendered");
 }

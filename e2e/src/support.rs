@@ -1,0 +1,184 @@
+//! Small plumbing that the environment and the tests share and that belongs to no stage:
+//! the workspace root, the project's built binaries, free loopback ports, a plain HTTP GET
+//! and reading one value out of Prometheus text.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The workspace root, known at compile time (the binary and the tests live in it).
+pub fn workspace_root() -> PathBuf {
+    let e2e = Path::new(env!("CARGO_MANIFEST_DIR"));
+    e2e.parent().unwrap_or(e2e).to_path_buf()
+}
+
+/// Builds the named `(package, binary)` pairs of the workspace (a no-op when they are
+/// current) and returns each binary's path by name, as cargo reports it: wherever
+/// `CARGO_TARGET_DIR`, `--target-dir` or `.cargo/config` put it.
+pub fn cargo_binaries(wanted: &[(&str, &str)]) -> Result<BTreeMap<String, PathBuf>> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(&cargo);
+    cmd.args(["build", "--message-format", "json-render-diagnostics"]);
+    for (package, bin) in wanted {
+        cmd.args(["-p", package, "--bin", bin]);
+    }
+    let out = cmd
+        .current_dir(workspace_root())
+        .stdin(Stdio::null())
+        // Compiler diagnostics go to the terminal; only the JSON messages are read.
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{cmd:?} failed ({}); its output is above", out.status);
+    }
+    let found = executables(&String::from_utf8_lossy(&out.stdout));
+    let mut paths = BTreeMap::new();
+    for (_, bin) in wanted {
+        let path = found
+            .get(*bin)
+            .with_context(|| format!("cargo built no executable named {bin}"))?;
+        paths.insert(bin.to_string(), path.clone());
+    }
+    Ok(paths)
+}
+
+/// Executable paths by target name, from cargo's `--message-format json` output.
+fn executables(messages: &str) -> BTreeMap<String, PathBuf> {
+    messages
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact")
+        .filter_map(|m| {
+            let name = m["target"]["name"].as_str()?.to_string();
+            let exe = m["executable"].as_str()?;
+            Some((name, PathBuf::from(exe)))
+        })
+        .collect()
+}
+
+/// `127.0.0.1:PORT` with a port free right now.
+pub fn free_addr() -> Result<String> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(listener.local_addr()?.to_string())
+}
+
+/// A plain HTTP/1.0 GET on loopback: (status code, body).
+pub async fn http_get(addr: &str, path: &str) -> Result<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .with_context(|| format!("connecting to {addr}"))?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    parse_response(&response).with_context(|| format!("GET http://{addr}{path}"))
+}
+
+fn parse_response(response: &str) -> Result<(u16, String)> {
+    let code = response
+        .strip_prefix("HTTP/")
+        .and_then(|r| r.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("malformed HTTP response {:?}", truncate(response)))?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((code, body))
+}
+
+fn truncate(s: &str) -> &str {
+    s.char_indices().nth(80).map_or(s, |(i, _)| &s[..i])
+}
+
+/// The value of one sample in Prometheus text, by its exact name and labels as printed
+/// (`name{a="x",b="y"}`); 0 when absent (a counter never incremented is not printed).
+pub fn sample(metrics: &str, name_and_labels: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let rest = l.strip_prefix(name_and_labels)?;
+            // The name must end here: `foo_total` is not a sample of `foo`.
+            let value = rest.strip_prefix(' ')?;
+            value.split_whitespace().next()?.parse().ok()
+        })
+        .unwrap_or(0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sample_reads_the_exact_series_and_nothing_else() {
+        let text = "# HELP x_total X.\n# TYPE x_total counter\n\
+                    x_total{kind=\"apply\"} 7\n\
+                    x_total{kind=\"apply_extra\"} 9\n\
+                    x_total_created{kind=\"apply\"} 1.7e9\n\
+                    y 2.5 1700000000000\n";
+        assert_eq!(sample(text, "x_total{kind=\"apply\"}"), 7.0);
+        assert_eq!(sample(text, "x_total{kind=\"apply_extra\"}"), 9.0);
+        assert_eq!(sample(text, "y"), 2.5, "a timestamp after the value");
+        assert_eq!(sample(text, "x_total{kind=\"delete\"}"), 0.0);
+        assert_eq!(sample(text, "x_tot"), 0.0, "a prefix of a name is no match");
+        assert_eq!(sample("", "x"), 0.0);
+        assert_eq!(sample("x garbage", "x"), 0.0);
+    }
+
+    #[test]
+    fn responses_parse_or_fail_naming_what_came() {
+        assert_eq!(
+            parse_response("HTTP/1.1 503 Service Unavailable\r\nA: b\r\n\r\nnot ready").unwrap(),
+            (503, "not ready".into())
+        );
+        assert_eq!(
+            parse_response("HTTP/1.0 200 OK\r\n\r\n").unwrap(),
+            (200, String::new())
+        );
+        assert_eq!(
+            parse_response("HTTP/1.0 204 No Content").unwrap(),
+            (204, String::new())
+        );
+        for bad in ["", "garbage", "HTTP/1.1 abc", "SSH-2.0-OpenSSH 200"] {
+            let e = parse_response(bad).unwrap_err();
+            assert!(
+                format!("{e}").contains("malformed HTTP response"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn executables_come_from_compiler_artifacts_only() {
+        let messages = concat!(
+            r#"{"reason":"compiler-artifact","target":{"name":"flotilla-hub"},"executable":"/t/debug/flotilla-hub"}"#,
+            "\n",
+            r#"{"reason":"compiler-artifact","target":{"name":"flotilla_hub"},"executable":null}"#,
+            "\n",
+            r#"{"reason":"build-finished","success":true}"#,
+            "\nnot json\n"
+        );
+        let found = executables(messages);
+        assert_eq!(
+            found,
+            BTreeMap::from([(
+                "flotilla-hub".into(),
+                PathBuf::from("/t/debug/flotilla-hub")
+            )])
+        );
+    }
+
+    #[test]
+    fn free_addr_is_bindable_loopback() {
+        let addr = free_addr().unwrap();
+        assert!(addr.starts_with("127.0.0.1:"), "{addr}");
+        std::net::TcpListener::bind(&addr).unwrap();
+    }
+}

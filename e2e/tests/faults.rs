@@ -1,0 +1,424 @@
+//! Fault injection on the real environment. Each test disturbs the hub, an agent, a
+//! member's apiserver or the link between them, then proves two things: the environment
+//! converges (every member runs exactly what the host's desired state renders to) and
+//! nothing managed was deleted that the desired state did not ask for. Each prints
+//! `fault <name>: converged pairs N, unwanted deletions N, converged in X.Xs`.
+//!
+//! The tests take the whole environment, so they run one at a time (a lock), and each
+//! puts back what it changed (the hub and agents as `up` launched them) even when it fails.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use flotilla_crds::{FederatedMyApp, MemberCluster};
+use flotilla_e2e::converge::{self, managed_myapps};
+use flotilla_e2e::deletions::DeletionLog;
+use flotilla_e2e::federation::{self, Federation, HUB, agent_name, wait_member_ready};
+use flotilla_e2e::support::sample;
+use flotilla_e2e::{Env, faults, process, wait_for};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+const CONVERGE: Duration = Duration::from_secs(60);
+/// Apps per test, placed on both members.
+const APPS: usize = 10;
+/// Updates in a burst, spread over the apps.
+const BURST: usize = 100;
+
+/// One fault at a time: they all take the whole environment.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+struct Ctx {
+    env: Env,
+    f: Federation,
+    host: Client,
+    prefix: String,
+}
+
+impl Ctx {
+    /// The environment with every component running, and this test's apps converged.
+    async fn start(prefix: &str) -> Result<Ctx> {
+        let env = Env::load_ready().await?;
+        // Puts back any component an earlier test left stopped.
+        let f = federation::up(&env).await?;
+        let host = env.client(env.host()).await?;
+        let ctx = Ctx {
+            env,
+            f,
+            host,
+            prefix: prefix.into(),
+        };
+        for i in 0..APPS {
+            ctx.apply(i, 1).await?;
+        }
+        converge::wait_converged(&ctx.env, CONVERGE)
+            .await
+            .context("before the fault")?;
+        Ok(ctx)
+    }
+
+    fn fedapps(&self) -> Api<FederatedMyApp> {
+        Api::namespaced(self.host.clone(), "default")
+    }
+
+    fn name(&self, i: usize) -> String {
+        format!("{}-{i}", self.prefix)
+    }
+
+    /// Server-side applies app `i` on both members with `replicas`.
+    async fn apply(&self, i: usize, replicas: usize) -> Result<()> {
+        let name = self.name(i);
+        let app = json!({
+            "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"placement": {"clusters": [{"name": "cluster1"}, {"name": "cluster2"}]},
+                     "template": {"spec": {"replicas": replicas, "image": "nginx:1.27"}}},
+        });
+        self.fedapps()
+            .patch(
+                &name,
+                &PatchParams::apply("e2e-faults").force(),
+                &Patch::Apply(&app),
+            )
+            .await
+            .with_context(|| format!("applying FederatedMyApp default/{name}"))?;
+        Ok(())
+    }
+
+    /// `count` updates, round robin over the apps, each a new replicas value; calls
+    /// `fault` once after `fault_at` of them.
+    async fn burst<F, Fut>(&self, count: usize, fault_at: usize, fault: F) -> Result<()>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<()>>,
+    {
+        let mut fault = Some(fault);
+        for n in 0..count {
+            if n == fault_at
+                && let Some(f) = fault.take()
+            {
+                f().await?;
+            }
+            self.apply(n % APPS, 2 + (n / APPS) % 8).await?;
+        }
+        Ok(())
+    }
+
+    /// Deletes this test's apps (after the checks: their deletions are wanted).
+    async fn cleanup(&self) {
+        let api = self.fedapps();
+        for i in 0..APPS {
+            let _ = api.delete(&self.name(i), &DeleteParams::default()).await;
+        }
+        let prefix = format!("{}-", self.prefix);
+        let gone = wait_for(CONVERGE, "the test's FederatedMyApps deleted", || async {
+            let left = api.list(&ListParams::default()).await?;
+            Ok((!left.items.iter().any(|a| a.name_any().starts_with(&prefix))).then_some(()))
+        })
+        .await;
+        if let Err(e) = gone {
+            eprintln!("cleanup of {}: {e:#}", self.prefix);
+        }
+    }
+}
+
+/// The end of every fault: converged, nothing unwanted deleted, one summary line.
+async fn verdict(ctx: &Ctx, fault: &str, log: &DeletionLog, since: Instant) -> Result<()> {
+    let converged = converge::wait_converged(&ctx.env, CONVERGE).await;
+    let unwanted = log.unwanted(&BTreeSet::new());
+    let pairs = match &converged {
+        Ok((r, _)) => r.converged.to_string(),
+        Err(_) => "none (not converged)".into(),
+    };
+    println!(
+        "fault {fault}: converged pairs {pairs}, unwanted deletions {}, converged in {:.1}s",
+        unwanted.len(),
+        since.elapsed().as_secs_f64()
+    );
+    let converged = converged.map(drop);
+    let clean = log.assert_clean(&BTreeSet::new());
+    match (converged, clean) {
+        (Ok(()), Ok(())) => Ok(()),
+        (Err(a), Ok(())) | (Ok(()), Err(a)) => Err(a),
+        (Err(a), Err(b)) => Err(a.context(format!("{b:#}"))),
+    }
+}
+
+/// Runs `body`, then `restore` whatever happened, then `cleanup`; fails with the body's error.
+async fn run<B, Fut>(prefix: &str, body: B) -> Result<()>
+where
+    B: FnOnce(Ctx) -> Fut,
+    Fut: std::future::Future<Output = (Ctx, Result<()>)>,
+{
+    let _guard = ONE_AT_A_TIME.lock().await;
+    let ctx = Ctx::start(prefix).await?;
+    let (ctx, result) = body(ctx).await;
+    // Put back every component as `up` launched it, then remove the test's apps.
+    let restored = restore(&ctx).await;
+    ctx.cleanup().await;
+    result.and(restored)
+}
+
+/// Every agent and the hub as `up` launched them, and every member Ready.
+async fn restore(ctx: &Ctx) -> Result<()> {
+    federation::up(&ctx.env).await.map(drop)
+}
+
+fn hub_syncs(metrics: &str, cluster: &str) -> f64 {
+    sample(
+        metrics,
+        &format!(
+            "flotilla_hub_messages_sent_total{{cluster=\"{cluster}\",kind=\"sync_complete\"}}"
+        ),
+    )
+}
+
+#[tokio::test]
+async fn agent_sigkilled_mid_burst() -> Result<()> {
+    run("fault-agent-kill", |ctx| async move {
+        let r = async {
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            let agent = agent_name("cluster1");
+            ctx.burst(BURST, BURST / 3, || async {
+                faults::sigkill(&ctx.env, &ctx.f, &agent).map(drop)
+            })
+            .await?;
+            faults::start(&ctx.env, &ctx.f, &agent).await?;
+            verdict(&ctx, "agent-sigkill-mid-burst", &log, start).await
+        }
+        .await;
+        (ctx, r)
+    })
+    .await
+}
+
+#[tokio::test]
+async fn hub_sigkilled_mid_burst() -> Result<()> {
+    run("fault-hub-kill", |ctx| async move {
+        let r = async {
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            ctx.burst(BURST, BURST / 3, || async {
+                faults::sigkill(&ctx.env, &ctx.f, HUB).map(drop)
+            })
+            .await?;
+            faults::start(&ctx.env, &ctx.f, HUB).await?;
+            verdict(&ctx, "hub-sigkill-mid-burst", &log, start).await
+        }
+        .await;
+        (ctx, r)
+    })
+    .await
+}
+
+#[tokio::test]
+async fn graceful_hub_restart_moves_every_agent_to_the_new_process() -> Result<()> {
+    run("fault-hub-term", |ctx| async move {
+        let r = async {
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            let (old, _new) = faults::replace_hub(&ctx.env, &ctx.f).await?;
+            // Counters start at zero in the new process: a SyncComplete sent to a member
+            // means that member's agent has a session with it.
+            let members = ctx.env.members();
+            let moved = wait_for(
+                Duration::from_secs(10),
+                "every agent in session with the new hub",
+                || async {
+                    let m = ctx.f.metrics(HUB).await?;
+                    Ok(members
+                        .iter()
+                        .all(|c| hub_syncs(&m, c) >= 1.0)
+                        .then_some(()))
+                },
+            )
+            .await;
+            let old_gone = old.wait_gone(Duration::from_secs(10));
+            // Propagation through the new hub.
+            ctx.burst(APPS, usize::MAX, || async { Ok(()) }).await?;
+            let verdict = verdict(&ctx, "graceful-hub-restart", &log, start).await;
+            // Only now may the old process be stopped for good (cleanup, not the test).
+            if !old_gone {
+                let _ = old.stop(Duration::from_secs(5));
+            }
+            process::forget(&ctx.env.dir, &old.name)?;
+            moved.context("after SIGTERM to the old hub and a new hub at once")?;
+            ensure!(
+                old_gone,
+                "the old hub (PID {}) still ran 10s after SIGTERM",
+                old.pid
+            );
+            verdict
+        }
+        .await;
+        (ctx, r)
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_member_apiserver_stopped_for_30s_recovers() -> Result<()> {
+    run("fault-apiserver", |ctx| async move {
+        let mut env = ctx.env.clone();
+        let r = async {
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            let clients: Vec<faults::Component> = ["kube-controller-manager", "kube-scheduler"]
+                .into_iter()
+                .map(|c| faults::capture(&env, "cluster2", c).map(|(_, c)| c))
+                .collect::<Result<_>>()?;
+            let stopped = faults::stop_component(&env, "cluster2", "kube-apiserver")?;
+            // The desired state moves on while cluster2 cannot apply anything.
+            let changed = ctx.burst(BURST / 5, usize::MAX, || async { Ok(()) }).await;
+            tokio::time::sleep(Duration::from_secs(30).saturating_sub(start.elapsed())).await;
+            faults::start_component(&mut env, &stopped)?;
+            // Those that lost their leader lease exited; a kubelet would start them again.
+            let revived = faults::revive(&mut env, &clients)?;
+            eprintln!("started again after the outage: {revived:?}");
+            changed?;
+            let verdict = verdict(&ctx, "member-apiserver-down-30s", &log, start).await;
+            faults::revive(&mut env, &clients)?;
+            verdict
+        }
+        .await;
+        (ctx, r)
+    })
+    .await
+}
+
+#[tokio::test]
+async fn an_agent_cut_off_past_the_heartbeat_grace_keeps_its_apps() -> Result<()> {
+    run("fault-blackhole", |ctx| async move {
+        let r = async {
+            let proxy = faults::agent_through_proxy(&ctx.env, &ctx.f, "cluster1").await?;
+            wait_member_ready(&ctx.host, "cluster1", true, Duration::from_secs(30)).await?;
+            converge::wait_converged(&ctx.env, CONVERGE).await?;
+            let c1 = ctx.env.client("cluster1").await?;
+            let before = managed_myapps(&c1).await?;
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            proxy.blackhole();
+            wait_member_ready(
+                &ctx.host,
+                "cluster1",
+                false,
+                federation::HEARTBEAT_GRACE + Duration::from_secs(15),
+            )
+            .await?;
+            // cluster1 keeps exactly what it ran; cluster2 still gets updates.
+            ensure!(
+                managed_myapps(&c1).await? == before,
+                "cluster1's MyApps changed while it was cut off"
+            );
+            ctx.apply(0, 9).await?;
+            let c2 = Api::<flotilla_crds::MyApp>::namespaced(
+                ctx.env.client("cluster2").await?,
+                "default",
+            );
+            let name = ctx.name(0);
+            wait_for(
+                Duration::from_secs(30),
+                "cluster2 to get the update",
+                || async { Ok((c2.get(&name).await?.spec.replicas == Some(9)).then_some(())) },
+            )
+            .await?;
+            wait_member_ready(&ctx.host, "cluster2", true, Duration::from_secs(1)).await?;
+            proxy.heal();
+            wait_member_ready(&ctx.host, "cluster1", true, Duration::from_secs(60)).await?;
+            verdict(&ctx, "agent-blackholed-past-grace", &log, start).await
+        }
+        .await;
+        // `up` would see the proxied agent running and keep it: put it back by hand.
+        let direct = faults::agent_direct(&ctx.env, &ctx.f, "cluster1").await;
+        (ctx, r.and(direct))
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_member_cluster_deleted_and_recreated_with_its_token_deletes_nothing() -> Result<()> {
+    run("fault-recreate", |ctx| async move {
+        let r = async {
+            let members: Api<MemberCluster> = Api::all(ctx.host.clone());
+            let mc = members.get("cluster1").await?;
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            members.delete("cluster1", &DeleteParams::default()).await?;
+            wait_for(
+                Duration::from_secs(30),
+                "MemberCluster cluster1 gone",
+                || async { Ok(members.get_opt("cluster1").await?.is_none().then_some(())) },
+            )
+            .await?;
+            // Re-created as GitOps would: same labels, same token hash.
+            let again: MemberCluster = serde_json::from_value(json!({
+                "apiVersion": "core.kubefed.io/v1beta1", "kind": "MemberCluster",
+                "metadata": {"name": "cluster1", "labels": mc.labels()},
+                "spec": mc.spec,
+            }))?;
+            members.create(&PostParams::default(), &again).await?;
+            // The agent connects right after the re-creation (its session was dropped, or
+            // it restarted): its SyncComplete must reflect the apps placed on cluster1.
+            let agent = agent_name("cluster1");
+            faults::sigkill(&ctx.env, &ctx.f, &agent)?;
+            faults::start(&ctx.env, &ctx.f, &agent).await?;
+            wait_member_ready(&ctx.host, "cluster1", true, Duration::from_secs(60)).await?;
+            verdict(&ctx, "membercluster-recreated-same-token", &log, start).await
+        }
+        .await;
+        (ctx, r)
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_second_agent_with_the_same_identity_changes_nothing() -> Result<()> {
+    run("fault-twin", |ctx| async move {
+        let r = async {
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            let (twin, _) = faults::start_twin(&ctx.env, &ctx.f, "cluster1").await?;
+            // Both run while the desired state changes.
+            let burst = ctx.burst(BURST / 5, usize::MAX, || async { Ok(()) }).await;
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            let verdict = verdict(&ctx, "second-agent-same-identity", &log, start).await;
+            let twin_ran = twin.alive();
+            twin.stop(Duration::from_secs(10))?;
+            process::forget(&ctx.env.dir, &twin.name)?;
+            burst?;
+            if !twin_ran {
+                // Not a failure by itself (a refused twin may exit), but say so.
+                eprintln!("the twin agent exited by itself; its log: {:?}", twin.log);
+            }
+            verdict?;
+            // The original agent still serves cluster1.
+            wait_member_ready(&ctx.host, "cluster1", true, Duration::from_secs(30)).await?;
+            ctx.apply(1, 7).await?;
+            converge::wait_converged(&ctx.env, CONVERGE)
+                .await
+                .map(drop)
+                .context("after the twin stopped")
+        }
+        .await;
+        (ctx, r)
+    })
+    .await
+}
+
+/// The hub's metrics must be readable for the graceful-restart check to mean anything.
+#[tokio::test]
+async fn the_hub_counts_sync_completes_per_member() -> Result<()> {
+    let _guard = ONE_AT_A_TIME.lock().await;
+    let env = Env::load_ready().await?;
+    let f = federation::up(&env).await?;
+    let m = f.metrics(HUB).await?;
+    for c in env.members() {
+        if hub_syncs(&m, c) < 1.0 {
+            bail!("the hub reports no SyncComplete sent to {c}:\n{m}");
+        }
+    }
+    Ok(())
+}
