@@ -113,16 +113,20 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         campaign.await;
         Ok(())
     });
-    tasks.spawn(
-        "membercluster-watch",
-        membership::watch_members(
-            member_events,
-            members.clone(),
-            dispatcher.clone(),
-            members_changed,
-            client.clone(),
-        ),
+    let watch = membership::watch_members(
+        member_events,
+        members.clone(),
+        dispatcher.clone(),
+        members_changed,
+        client.clone(),
     );
+    let stop = shutdown.clone();
+    tasks.spawn("membercluster-watch", async move {
+        tokio::select! {
+            ended = watch => ended,
+            _ = stop.cancelled() => Ok(()),
+        }
+    });
     tasks.spawn(
         "planner",
         controller::plan_loop(
