@@ -175,11 +175,28 @@ pub async fn plan_loop(
     mut members_changed: watch::Receiver<u64>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    let listed = |what: &'static str, _: kube::runtime::reflector::store::WriterDropped| {
+        anyhow::anyhow!("the {what} store's watch ended before it listed")
+    };
+    let apps = async {
+        ctx.apps
+            .wait_until_ready()
+            .await
+            .map_err(|e| listed("FederatedMyApp", e))?;
+        info!("FederatedMyApps listed");
+        anyhow::Ok(())
+    };
+    let members = async {
+        ctx.members
+            .wait_until_ready()
+            .await
+            .map_err(|e| listed("MemberCluster", e))?;
+        info!("MemberClusters listed");
+        anyhow::Ok(())
+    };
     tokio::select! {
         _ = shutdown.cancelled() => return Ok(()),
-        r = async { tokio::try_join!(ctx.apps.wait_until_ready(), ctx.members.wait_until_ready()) } => {
-            r.map_err(|_| anyhow::anyhow!("a store's writer went away before it listed"))?;
-        }
+        r = async { tokio::try_join!(apps, members) } => { r?; }
     }
     loop {
         members_changed.borrow_and_update();
