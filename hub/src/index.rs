@@ -232,12 +232,24 @@ impl Index {
                 _ => {}
             }
         }
-        let gone: Vec<AppKey> = self
-            .deleting
-            .iter()
-            .filter(|(key, waiting)| waiting.contains(cluster) && !managed.contains_key(*key))
-            .map(|(key, _)| key.clone())
-            .collect();
+        let mut gone = Vec::new();
+        for (key, waiting) in &self.deleting {
+            if !waiting.contains(cluster) {
+                continue;
+            }
+            if !managed.contains_key(key) {
+                gone.push(key.clone());
+            } else if !keys.contains(key) {
+                // A deletion the agent still holds is sent as an explicit Delete: it is
+                // the host's word for that object, not a collection for the circuit
+                // breaker to hold back.
+                pushes.push((
+                    cluster.to_owned(),
+                    key.clone(),
+                    Change::Delete { orphan: false },
+                ));
+            }
+        }
         for key in gone {
             self.confirm_gone(cluster, &key);
         }
@@ -451,10 +463,12 @@ mod tests {
         ix.report("c1", &key("a"), Held::Absent);
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c2"]);
         let (pushes, keys) = ix.connect("c2", &hello(&[("a", "h")]));
-        assert!(
-            pushes.is_empty() && keys.is_empty(),
-            "not desired: the agent collects it"
+        assert_eq!(
+            kinds(&pushes),
+            [t("c2", "a", "delete orphan=false")],
+            "an explicit Delete, never left to orphan collection"
         );
+        assert!(keys.is_empty());
         ix.report("c2", &key("a"), Held::Absent);
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
     }
