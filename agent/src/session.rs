@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
+use flotilla_common::listed::{self, Listed};
 use flotilla_crds::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
 use flotilla_proto::client::{self, Dial, DialError};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
@@ -53,6 +54,7 @@ pub struct SessionConfig {
 #[derive(Clone)]
 pub struct Managed {
     pub store: Store<MyApp>,
+    pub listed: Listed,
     pub changes: broadcast::Sender<Key>,
 }
 
@@ -62,9 +64,10 @@ pub fn watch_managed(client: Client) -> (Managed, impl std::future::Future<Outpu
     let (changes, _) = broadcast::channel(1024);
     let config =
         watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
-    let stream = reflector(writer, watcher(Api::<MyApp>::all(client), config))
-        .default_backoff()
-        .touched_objects();
+    let (stream, listed) = listed::track(
+        reflector(writer, watcher(Api::<MyApp>::all(client), config)).default_backoff(),
+    );
+    let stream = stream.touched_objects();
     let feed = changes.clone();
     let run = async move {
         let mut stream = std::pin::pin!(stream);
@@ -77,7 +80,14 @@ pub fn watch_managed(client: Client) -> (Managed, impl std::future::Future<Outpu
             }
         }
     };
-    (Managed { store, changes }, run)
+    (
+        Managed {
+            store,
+            listed,
+            changes,
+        },
+        run,
+    )
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -226,7 +236,7 @@ async fn one_session(
         keepalive_timeout: Duration::from_secs(10),
     })
     .await?;
-    let _ = managed.store.wait_until_ready().await;
+    let _ = managed.listed.wait().await;
     let kubernetes_version = client
         .apiserver_version()
         .await

@@ -2,11 +2,12 @@
 //! `/metrics` (`http`), controller-runtime metric names (`metrics`), logs (`telemetry`),
 //! one shutdown signal (`shutdown`), task supervision (`supervise`), coalesced status
 //! writes (`coalesce`), a private CA for TLS endpoints (`tls`), and the
-//! `--kubeconfig`/`--context` flags (`kubeconfig`).
+//! `--kubeconfig`/`--context` flags (`kubeconfig`), and when a watch has listed (`listed`).
 
 pub mod coalesce;
 pub mod http;
 pub mod kubeconfig;
+pub mod listed;
 pub mod metrics;
 pub mod shutdown;
 pub mod supervise;

@@ -10,7 +10,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use flotilla_common::http::Gate;
+use flotilla_common::listed;
 use flotilla_common::metrics::Metrics;
 use flotilla_crds::federated::ORPHAN_ANNOTATION;
 use flotilla_crds::{FederatedMyApp, MemberCluster};
@@ -165,38 +167,36 @@ pub fn plan_all(ctx: &Context) {
         .planned_for(members.into_keys().collect::<BTreeSet<_>>());
 }
 
+/// When each store has listed.
+pub struct Listed {
+    pub apps: listed::Listed,
+    pub members: listed::Listed,
+}
+
 /// Waits until both stores have listed, plans every app (deletions too: an orphaning
 /// delete must reach agents as a release, never as a missing entry that they would
 /// collect), opens `planned` and `gate`, then plans again on every membership change.
 pub async fn plan_loop(
     ctx: Arc<Context>,
+    listed: Listed,
     planned: watch::Sender<bool>,
     gate: Gate,
     mut members_changed: watch::Receiver<u64>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let listed = |what: &'static str, _: kube::runtime::reflector::store::WriterDropped| {
-        anyhow::anyhow!("the {what} store's watch ended before it listed")
-    };
-    let apps = async {
-        ctx.apps
-            .wait_until_ready()
+    let wait = |what: &'static str, listed: listed::Listed| async move {
+        listed
+            .wait()
             .await
-            .map_err(|e| listed("FederatedMyApp", e))?;
-        info!("FederatedMyApps listed");
-        anyhow::Ok(())
-    };
-    let members = async {
-        ctx.members
-            .wait_until_ready()
-            .await
-            .map_err(|e| listed("MemberCluster", e))?;
-        info!("MemberClusters listed");
+            .with_context(|| format!("the {what} watch"))?;
+        info!("{what}s listed");
         anyhow::Ok(())
     };
     tokio::select! {
         _ = shutdown.cancelled() => return Ok(()),
-        r = async { tokio::try_join!(apps, members) } => { r?; }
+        r = async {
+            tokio::try_join!(wait("FederatedMyApp", listed.apps), wait("MemberCluster", listed.members))
+        } => { r?; }
     }
     loop {
         members_changed.borrow_and_update();
@@ -217,29 +217,25 @@ pub async fn plan_loop(
     }
 }
 
-/// Runs the FederatedMyApp controller over `watch` until `shutdown`. Deletions that
-/// bypass the finalizer are carried into the index as they happen.
+/// Runs the FederatedMyApp controller over the reflector's `events` until `shutdown`.
+/// Deletions that bypass the finalizer are carried into the index as they happen.
 pub async fn run(
     ctx: Arc<Context>,
-    writer: kube::runtime::reflector::store::Writer<FederatedMyApp>,
+    events: impl Stream<Item = Result<watcher::Event<FederatedMyApp>, watcher::Error>> + Send + 'static,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let on_delete = ctx.clone();
-    let events = watched(
-        kube::runtime::reflector(
-            writer,
-            watcher(
-                Api::<FederatedMyApp>::all(ctx.client.clone()),
-                watcher::Config::default(),
-            ),
-        )
-        .default_backoff(),
-        move |app| deleted(app, &on_delete),
-    );
+    let events = watched(events, move |app| deleted(app, &on_delete));
     Controller::for_stream(events, ctx.apps.clone())
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(reconcile, error_policy, ctx)
-        .for_each(|_| async {})
+        .for_each(|result| async move {
+            // The watch retries with backoff; say why it had to. Reconcile failures
+            // were logged by the error policy.
+            if let Err(e @ kube::runtime::controller::Error::QueueError(_)) = result {
+                warn!(error = %e, "watching FederatedMyApps")
+            }
+        })
         .await;
     if shutdown.is_cancelled() {
         Ok(())

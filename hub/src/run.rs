@@ -10,9 +10,10 @@ use std::time::Duration;
 use anyhow::Context as _;
 use flotilla_common::http::{self, Readiness};
 use flotilla_common::kubeconfig::KubeArgs;
+use flotilla_common::listed;
 use flotilla_common::metrics::Metrics;
 use flotilla_common::supervise::Supervisor;
-use flotilla_crds::MemberCluster;
+use flotilla_crds::{FederatedMyApp, MemberCluster};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client};
@@ -98,15 +99,27 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         leading: leading.clone(),
     });
     let (members_changed, members_changed_rx) = watch::channel(0);
-    let member_events = reflector(
-        members_writer,
-        watcher(
-            Api::<MemberCluster>::all(client.clone()),
-            watcher::Config::default(),
-        ),
-    )
-    .default_backoff()
-    .touched_objects();
+    let (member_events, members_listed) = listed::track(
+        reflector(
+            members_writer,
+            watcher(
+                Api::<MemberCluster>::all(client.clone()),
+                watcher::Config::default(),
+            ),
+        )
+        .default_backoff(),
+    );
+    let member_events = member_events.touched_objects();
+    let (app_events, apps_listed) = listed::track(
+        reflector(
+            apps_writer,
+            watcher(
+                Api::<FederatedMyApp>::all(client.clone()),
+                watcher::Config::default(),
+            ),
+        )
+        .default_backoff(),
+    );
 
     let mut tasks = Supervisor::new(shutdown.clone(), Duration::from_secs(10));
     tasks.spawn("leader-election", async move {
@@ -131,6 +144,10 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         "planner",
         controller::plan_loop(
             ctx.clone(),
+            controller::Listed {
+                apps: apps_listed,
+                members: members_listed,
+            },
             planned_tx,
             planned_gate,
             members_changed_rx,
@@ -139,7 +156,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     );
     tasks.spawn(
         "controller",
-        controller::run(ctx, apps_writer, shutdown.clone()),
+        controller::run(ctx, app_events, shutdown.clone()),
     );
     let service = FederationService {
         dispatcher,

@@ -35,6 +35,7 @@ use tracing::{debug, info, warn};
 
 use children::{BuildError, MANAGED_BY, MANAGED_BY_LABEL};
 use flotilla_common::http::Gate;
+use flotilla_common::listed;
 use flotilla_common::metrics::Metrics;
 use status::Problem;
 
@@ -140,21 +141,24 @@ pub async fn run_operator(
         Namespaces::All => vec![None],
         Namespaces::Only(list) => list.iter().cloned().map(Some).collect(),
     };
-    let mut stores = Vec::new();
+    let mut listings = Vec::new();
     let mut controllers = Vec::new();
     for scope in scopes {
         let (reader, writer) = reflector::store::<MyApp>();
-        stores.push(reader.clone());
-        let apps = reflector(
-            writer,
-            watcher(
-                api::<MyApp>(&client, scope.as_deref()),
-                watcher::Config::default(),
-            ),
-        )
-        .default_backoff()
-        .applied_objects()
-        .predicate_filter(predicates::generation, Default::default());
+        let (apps, listed) = listed::track(
+            reflector(
+                writer,
+                watcher(
+                    api::<MyApp>(&client, scope.as_deref()),
+                    watcher::Config::default(),
+                ),
+            )
+            .default_backoff(),
+        );
+        listings.push(listed);
+        let apps = apps
+            .applied_objects()
+            .predicate_filter(predicates::generation, Default::default());
         let owned = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"));
         let controller = Controller::for_stream(apps, reader)
             .owns(api::<Deployment>(&client, scope.as_deref()), owned.clone())
@@ -176,9 +180,9 @@ pub async fn run_operator(
     }
     info!(namespaces = ?config.namespaces, resync = ?config.resync, "MyApp operator starting");
     let synced = async move {
-        for store in stores {
-            // Only fails if the writer is dropped, i.e. at shutdown.
-            if store.wait_until_ready().await.is_err() {
+        for listed in listings {
+            // Only fails if the watch ended, i.e. at shutdown.
+            if listed.wait().await.is_err() {
                 return;
             }
         }
