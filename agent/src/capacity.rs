@@ -12,13 +12,15 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use flotilla_common::listed::{self, Listed};
 use flotilla_crds::member::{ClusterCapacity, Resources};
 use flotilla_proto::v1 as pb;
-use futures::{Stream, StreamExt};
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Container, Node, Pod};
 use kube::runtime::reflector::{self, Store, reflector};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
+use tracing::{debug, warn};
 
 /// The cluster's capacity now, and what could not be read (naming the node or pod and
 /// the field), so that a typo in one object shows rather than skewing the sum silently.
@@ -161,35 +163,65 @@ impl Limiter {
     }
 }
 
-/// Reflector stores of nodes and of unfinished pods, trimmed to what [`compute`] reads
-/// (the agent's footprint must not grow with the cluster's pods' specs), and the stream
-/// that keeps them current: poll it (e.g. `for_each`) in a supervised task.
-pub fn stores(
-    client: Client,
-) -> (
-    Store<Node>,
-    Store<Pod>,
-    impl Stream<Item = ()> + Send + 'static,
-) {
+/// Nodes and unfinished pods, cached (trimmed to what [`compute`] reads: the agent's
+/// footprint must not grow with the pods' specs).
+#[derive(Clone)]
+pub struct Source {
+    nodes: Store<Node>,
+    pods: Store<Pod>,
+    listed: [Listed; 2],
+}
+
+impl Source {
+    /// The capacity now; None until both watches have listed (a partial list would
+    /// report room that is not there, or none that is).
+    pub fn now(&self) -> Option<ClusterCapacity> {
+        if !self.listed.iter().all(Listed::is_listed) {
+            return None;
+        }
+        let (capacity, problems) = compute(&self.nodes.state(), &self.pods.state());
+        for problem in problems {
+            debug!(%problem, "left out of the capacity");
+        }
+        Some(capacity)
+    }
+}
+
+/// The capacity source, and the watches that keep it current: run the future in the
+/// agent's process. A watch error (e.g. RBAC without nodes or pods) is logged and
+/// retried with backoff; the hub then has no capacity for this cluster.
+pub fn watch(client: Client) -> (Source, impl Future<Output = ()> + Send + 'static) {
     let (nodes, node_writer) = reflector::store::<Node>();
     let (pods, pod_writer) = reflector::store::<Pod>();
-    let node_stream = reflector(
-        node_writer,
-        watcher(Api::<Node>::all(client.clone()), watcher::Config::default()).modify(trim_node),
-    )
-    .map(|_| ());
+    let (node_events, nodes_listed) = listed::track(
+        reflector(
+            node_writer,
+            watcher(Api::<Node>::all(client.clone()), watcher::Config::default()).modify(trim_node),
+        )
+        .default_backoff(),
+    );
     let unfinished = watcher::Config::default()
         .fields("status.phase!=Succeeded,status.phase!=Failed,spec.nodeName!=");
-    let pod_stream = reflector(
-        pod_writer,
-        watcher(Api::<Pod>::all(client), unfinished).modify(trim_pod),
-    )
-    .map(|_| ());
-    (
+    let (pod_events, pods_listed) = listed::track(
+        reflector(
+            pod_writer,
+            watcher(Api::<Pod>::all(client), unfinished).modify(trim_pod),
+        )
+        .default_backoff(),
+    );
+    let run = futures::stream::select(node_events.map_ok(drop), pod_events.map_ok(drop)).for_each(
+        |event| async move {
+            if let Err(e) = event {
+                warn!(error = %e, "watching nodes and pods for the cluster's capacity");
+            }
+        },
+    );
+    let source = Source {
         nodes,
         pods,
-        futures::stream::select(node_stream, pod_stream),
-    )
+        listed: [nodes_listed, pods_listed],
+    };
+    (source, run)
 }
 
 fn trim_node(node: &mut Node) {

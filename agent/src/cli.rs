@@ -10,6 +10,7 @@ use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use k8s_openapi::jiff::SignedDuration;
 
+use crate::capacity;
 use crate::operator::{self, Namespaces, OperatorConfig};
 use crate::session::{self, SessionConfig};
 use crate::webhook::crd::Endpoint;
@@ -75,6 +76,11 @@ pub struct RunArgs {
     /// collection after a (re)connect may delete without a confirmation on the hub.
     #[arg(long, default_value_t = 0.5, value_parser = parse_share)]
     pub max_collect_share: f64,
+    /// Report the cluster's capacity (nodes' allocatable minus pods' requests, for
+    /// `replicaScheduling.mode: Capacity`) at most this often, when it changed. Needs
+    /// list/watch on nodes and pods; 0s turns it off.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub capacity_interval: Duration,
     #[command(flatten)]
     pub operator: OperatorArgs,
 }
@@ -100,6 +106,7 @@ impl RunArgs {
             server_name: self.hub_server_name.clone(),
             heartbeat: self.heartbeat,
             max_collect_share: self.max_collect_share,
+            capacity_interval: Some(self.capacity_interval).filter(|i| !i.is_zero()),
         })
     }
 }
@@ -242,9 +249,20 @@ async fn serve(
     let hub = async {
         let Some(session) = session else { return };
         let (managed, watch) = session::watch_managed(client.clone());
+        let (capacity, capacity_watch) = match session.capacity_interval {
+            Some(_) => {
+                let (source, watch) = capacity::watch(client.clone());
+                (Some(source), futures::future::Either::Left(watch))
+            }
+            None => (
+                None,
+                futures::future::Either::Right(futures::future::pending()),
+            ),
+        };
         tokio::select! {
-            _ = session::run(client.clone(), session, managed, shutdown.clone()) => {}
+            _ = session::run(client.clone(), session, managed, capacity, shutdown.clone()) => {}
             _ = watch => {}
+            _ = capacity_watch => {}
         }
     };
     let operator = operator::run_operator(

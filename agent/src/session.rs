@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use flotilla_common::listed::{self, Listed};
+
+use crate::capacity;
 use flotilla_crds::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
 use flotilla_proto::client::{self, Dial, DialError};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
@@ -48,6 +50,8 @@ pub struct SessionConfig {
     /// The largest share (0–1) of the MyApps listed in Hello that one SyncComplete may
     /// collect without a confirmation.
     pub max_collect_share: f64,
+    /// Capacity goes to the hub at most this often, and only when it changed; None: never.
+    pub capacity_interval: Option<Duration>,
 }
 
 /// The MyApps this agent manages, cached, with a feed of the keys that changed.
@@ -120,6 +124,7 @@ pub async fn run(
     client: Client,
     config: SessionConfig,
     managed: Managed,
+    capacity: Option<capacity::Source>,
     shutdown: CancellationToken,
 ) {
     let sync = Arc::new(Sync::new(client.clone(), managed.store.clone()));
@@ -128,7 +133,7 @@ pub async fn run(
         let started = Instant::now();
         let result = tokio::select! {
             _ = shutdown.cancelled() => return,
-            r = one_session(&client, &config, &managed, &sync) => r,
+            r = one_session(&client, &config, &managed, capacity.as_ref(), &sync) => r,
         };
         match result {
             Ok(()) => info!("the hub ended the session"),
@@ -219,6 +224,7 @@ async fn one_session(
     client: &Client,
     config: &SessionConfig,
     managed: &Managed,
+    capacity: Option<&capacity::Source>,
     sync: &Sync,
 ) -> Result<(), SessionError> {
     let token = tokio::fs::read_to_string(&config.token_file)
@@ -271,6 +277,10 @@ async fn one_session(
         retries.clone(),
         tx.clone(),
         config.heartbeat,
+        // A new limiter per session: the hub hears the current capacity first.
+        capacity
+            .cloned()
+            .zip(config.capacity_interval.map(capacity::Limiter::new)),
     ));
     let breaker = Breaker {
         listed,
@@ -409,8 +419,9 @@ fn agent(kind: agent_message::Kind) -> pb::AgentMessage {
 }
 
 /// Sends every managed MyApp's status once, then each change, and a heartbeat every
-/// `heartbeat`; a report equal to the last one sent is not sent again. A report carries
-/// the error of a failing request for its MyApp until that request succeeds.
+/// `heartbeat` (with the cluster's capacity when the limiter lets it through); a report
+/// equal to the last one sent is not sent again. A report carries the error of a failing
+/// request for its MyApp until that request succeeds.
 async fn report_loop(
     store: Store<MyApp>,
     mut changes: broadcast::Receiver<Key>,
@@ -418,6 +429,7 @@ async fn report_loop(
     retries: Arc<Retries>,
     tx: mpsc::Sender<pb::AgentMessage>,
     heartbeat: Duration,
+    mut capacity: Option<(capacity::Source, capacity::Limiter)>,
 ) {
     let mut sent: HashMap<Key, pb::StatusReport> = HashMap::new();
     let mut keys: Vec<Key> = store.state().iter().map(|a| key_of(a)).collect();
@@ -445,6 +457,13 @@ async fn report_loop(
         tokio::select! {
             _ = tick.tick() => {
                 if tx.send(agent(agent_message::Kind::Heartbeat(pb::Heartbeat {}))).await.is_err() {
+                    return;
+                }
+                let Some((source, limiter)) = capacity.as_mut() else { continue };
+                let Some(now) = source.now() else { continue };
+                if limiter.admit(&now, std::time::Instant::now())
+                    && tx.send(agent(agent_message::Kind::Capacity(capacity::to_pb(&now)))).await.is_err()
+                {
                     return;
                 }
             }

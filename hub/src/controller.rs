@@ -103,6 +103,7 @@ pub fn plan_app(app: &FederatedMyApp, members: &Members) -> (Plan, BTreeMap<Stri
             desired.extend(members.keys().map(|c| (c.clone(), Desired::Keep)));
         }
         Ok(rendered) => {
+            plan.schedule = Some(rendered.schedule);
             for (cluster, result) in rendered.clusters {
                 let outcome = match result {
                     Ok(r) => {
@@ -113,6 +114,11 @@ pub fn plan_app(app: &FederatedMyApp, members: &Members) -> (Plan, BTreeMap<Stri
                     Err(ClusterError::UnknownCluster) => Outcome::Failed {
                         message: ClusterError::UnknownCluster.to_string(),
                     },
+                    Err(ClusterError::FailedOver) => {
+                        // Static stability: what it runs stays until it is Ready again.
+                        desired.insert(cluster.clone(), Desired::Keep);
+                        Outcome::FailedOver
+                    }
                     Err(e) => {
                         desired.insert(cluster.clone(), Desired::Keep);
                         Outcome::Failed {
@@ -330,10 +336,13 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
         .iter()
         .filter_map(|(c, o)| match o {
             Outcome::Failed { message } => Some((c.clone(), message.clone())),
-            Outcome::Rendered { .. } => None,
+            Outcome::Rendered { .. } | Outcome::FailedOver => None,
         })
         .collect();
     let placement_error = plan.placement_error.clone();
+    // A grace period that ends, or replacements that may be Ready, change the division
+    // with no change to the app: look again by then.
+    let recheck = plan.schedule.as_ref().and_then(|s| s.recheck_after);
     if ctx.status.set_plan(&key, plan) {
         for (cluster, message) in failures {
             ctx.event(
@@ -349,7 +358,7 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
                 .await;
         }
     }
-    Ok(Action::await_change())
+    Ok(recheck.map_or_else(Action::await_change, Action::requeue))
 }
 
 /// Replaces the finalizer list, guarded by the resourceVersion it was computed from.

@@ -15,7 +15,7 @@ use anyhow::bail;
 use flotilla_common::coalesce::Pending;
 use flotilla_crds::MemberCluster;
 use flotilla_crds::condition;
-use flotilla_crds::member::MemberClusterStatus;
+use flotilla_crds::member::{ClusterCapacity, MemberClusterStatus};
 use futures::{Stream, StreamExt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -141,6 +141,8 @@ struct Member {
     cluster_uid: Option<String>,
     /// The agent's circuit breaker held back this many collections (of so many managed).
     blocked: Option<(u32, u32)>,
+    /// What the agent last reported (it sends only changes, rate-limited).
+    capacity: Option<ClusterCapacity>,
 }
 
 pub struct Membership {
@@ -190,6 +192,18 @@ impl Membership {
             .entry(cluster.to_owned())
             .or_default()
             .blocked = Some((would_collect, managed));
+        self.dirty.mark(cluster.to_owned());
+    }
+
+    /// The cluster's room for more pods, for `replicaScheduling.mode: Capacity`.
+    pub fn capacity(&self, cluster: &str, capacity: ClusterCapacity) {
+        let mut members = self.members.lock();
+        let m = members.entry(cluster.to_owned()).or_default();
+        if m.capacity.as_ref() == Some(&capacity) {
+            return;
+        }
+        m.capacity = Some(capacity);
+        drop(members);
         self.dirty.mark(cluster.to_owned());
     }
 
@@ -354,7 +368,9 @@ impl Membership {
             kubernetes_version: m
                 .and_then(|m| m.kubernetes_version.clone())
                 .or_else(|| previous.and_then(|p| p.kubernetes_version.clone())),
-            capacity: previous.and_then(|p| p.capacity.clone()),
+            capacity: m
+                .and_then(|m| m.capacity.clone())
+                .or_else(|| previous.and_then(|p| p.capacity.clone())),
         }
     }
 }

@@ -24,6 +24,7 @@ use crate::auth::{self, AuthError};
 use crate::dispatch::{ClusterQueue, Dispatcher};
 use crate::index::AppKey;
 use crate::membership::{self, Membership};
+use crate::placement;
 use crate::status::{Report, StatusBoard};
 
 /// Messages buffered towards one agent beyond its queue: small, since the queue itself
@@ -260,6 +261,9 @@ async fn receive_loop(
                     .collection_blocked(&cluster, b.would_collect);
                 membership.collection_blocked(&cluster, b.would_collect, b.managed);
             }
+            Ok(Some(pb::AgentMessage {
+                kind: Some(agent_message::Kind::Capacity(c)),
+            })) => membership.capacity(&cluster, placement::capacity_from_pb(&c)),
             Ok(Some(_)) => warn!(%cluster, "unexpected message ignored"),
             Ok(None) => break,
             Err(e) => {

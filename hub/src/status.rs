@@ -28,6 +28,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::index::{AppKey, Held};
+use crate::render::ClusterError;
+use crate::schedule::{self, Schedule};
 
 /// How one cluster's rendering of an app came out.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,6 +38,9 @@ pub enum Outcome {
     Rendered { hash: String },
     /// Not sent: why, in words for the user.
     Failed { message: String },
+    /// NotReady past the failover grace period: its share runs elsewhere, its copy is
+    /// left as it was. Not an error, and not counted as placed.
+    FailedOver,
 }
 
 /// What the hub decided for one app at one generation.
@@ -48,6 +53,8 @@ pub struct Plan {
     pub placement_error: Option<String>,
     /// The app is being deleted and these clusters have not confirmed it.
     pub deleting_on: Option<Vec<String>>,
+    /// Replicas per cluster and why, for `status.clusters[].replicas`.
+    pub schedule: Option<Schedule>,
 }
 
 /// What an agent last said about one MyApp: the wire's `StatusReport`, as the hub
@@ -160,6 +167,10 @@ pub fn compute(
         }
         let problem = match outcome {
             Outcome::Failed { message } => Some((Reason::RenderFailed, message.clone())),
+            Outcome::FailedOver => {
+                entry.message = ClusterError::FailedOver.to_string();
+                None
+            }
             Outcome::Rendered { hash } => {
                 placed += 1;
                 match report {
@@ -245,7 +256,7 @@ pub fn compute(
         cond("Ready", false, "NotReady", message)
     };
     let before: &[Condition] = previous.map_or(&[], |p| &p.conditions);
-    FederatedMyAppStatus {
+    let mut status = FederatedMyAppStatus {
         observed_generation: plan.generation,
         conditions: [propagated, ready]
             .into_iter()
@@ -255,7 +266,11 @@ pub fn compute(
         ready_clusters: ready_count,
         clusters,
         ..Default::default()
+    };
+    if let Some(schedule) = &plan.schedule {
+        schedule::annotate(&mut status, schedule);
     }
+    status
 }
 
 fn list_or_none(names: &[String]) -> String {
