@@ -466,6 +466,36 @@ mod tests {
     }
 
     #[test]
+    fn a_capacity_report_is_written_once_and_kept_across_hub_restarts() {
+        use flotilla_crds::member::Resources;
+        let m = Membership::new(Duration::from_secs(40));
+        let room = ClusterCapacity {
+            nodes: 3,
+            allocatable: Resources {
+                cpu_millis: 6000,
+                memory_bytes: 12 << 30,
+            },
+            ..Default::default()
+        };
+        m.heartbeat("c1");
+        m.capacity("c1", room.clone());
+        let due = m.due(&["c1".into()], &store(&[("c1", Some(true))]), Instant::now());
+        assert_eq!(due[0].1.capacity.as_ref(), Some(&room));
+        // A hub that restarted has heard nothing yet: it keeps what the status shows.
+        let restarted = Membership::new(Duration::from_secs(40));
+        restarted.heartbeat("c1");
+        let mut shown = MemberCluster::new("c1", Default::default());
+        shown.status = Some(MemberClusterStatus {
+            capacity: Some(room.clone()),
+            ..Default::default()
+        });
+        let (members, mut writer) = reflector::store::<MemberCluster>();
+        writer.apply_watcher_event(&watcher::Event::Apply(shown));
+        let due = restarted.due(&["c1".into()], &members, Instant::now());
+        assert_eq!(due[0].1.capacity.as_ref(), Some(&room));
+    }
+
+    #[test]
     fn registered_leaves_out_clusters_being_deleted() {
         let (store, mut writer) = reflector::store::<MemberCluster>();
         let mut gone = MemberCluster::new("gone", Default::default());

@@ -548,6 +548,52 @@ mod tests {
     }
 
     #[test]
+    fn the_division_shows_per_cluster_and_a_failed_over_cluster_is_no_error() {
+        use crate::schedule::Assignment;
+        use flotilla_crds::federated::SchedulingReason;
+        let mut p = plan(&[
+            ("c1", rendered("h1")),
+            ("c2", rendered("h2")),
+            ("c3", Outcome::FailedOver),
+        ]);
+        let assign = |replicas, reason| Assignment { replicas, reason };
+        p.schedule = Some(Schedule {
+            divided: true,
+            clusters: [
+                ("c1".into(), assign(8, SchedulingReason::Weight)),
+                ("c2".into(), assign(4, SchedulingReason::Failover)),
+                ("c3".into(), assign(3, SchedulingReason::FailedOver)),
+            ]
+            .into(),
+            recheck_after: None,
+        });
+        let s = run(
+            &p,
+            &[
+                ("c1", report("h1", true, 8)),
+                ("c2", report("h2", true, 4)),
+                ("c3", report("old", true, 3)),
+            ],
+            &["c1", "c2"],
+        );
+        let c = |name: &str| s.clusters.iter().find(|c| c.name == name).unwrap();
+        assert_eq!(c("c1").replicas, Some(8));
+        assert_eq!(
+            c("c2").scheduling_reason,
+            Some(SchedulingReason::Failover)
+        );
+        assert_eq!(c("c3").replicas, Some(3));
+        assert!(c("c3").message.contains("failover grace period"));
+        // The failed-over copy is neither placed nor an error; its replicas are not
+        // counted in the desired total, its ready ones are still running.
+        assert_eq!((s.placed_clusters, s.ready_clusters), (2, 2));
+        assert_eq!(cond(&s, "Propagated").status, "True");
+        assert_eq!(cond(&s, "Ready").status, "True");
+        assert_eq!(s.replicas, Some(12));
+        assert_eq!(s.ready_replicas, 15);
+    }
+
+    #[test]
     fn stale_hash_is_pending_not_ready() {
         let p = plan(&[("c1", rendered("new"))]);
         let s = run(&p, &[("c1", report("old", true, 3))], &["c1"]);
