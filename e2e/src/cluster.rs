@@ -16,6 +16,17 @@ use std::time::Duration;
 pub const FIELD_MANAGER: &str = "flotilla-e2e";
 /// How many fake nodes each cluster of the local provider gets.
 pub const FAKE_NODES: usize = 3;
+
+/// Allocatable CPU cores of each fake node of member `name`: cluster1 32, cluster2 16,
+/// cluster3 8, ... (never under 2), so that `replicaScheduling.mode: Capacity` has sizes
+/// to follow. The host's nodes keep KWOK's default (1000 cores).
+pub fn node_cores(name: &str) -> Option<u32> {
+    let n: u32 = name.strip_prefix("cluster")?.parse().ok()?;
+    Some((64u32 >> n.min(5)).max(2))
+}
+
+/// Allocatable memory of each fake node of a member: ample, so that CPU decides.
+pub const NODE_MEMORY: &str = "256Gi";
 /// Label on the fake nodes (the value is the usual KWOK one).
 pub const FAKE_NODE_LABEL: (&str, &str) = ("type", "kwok");
 
@@ -30,7 +41,7 @@ pub async fn prepare(client: &Client, name: &str, provider: Provider) -> Result<
     .await?;
     install_crds(client).await?;
     if provider == Provider::Local {
-        fake_nodes(client, FAKE_NODES).await?;
+        fake_nodes(client, FAKE_NODES, node_cores(name)).await?;
     }
     // Pods need the namespace's default ServiceAccount, which kube-controller-manager
     // creates: waiting for it means the controllers run and tests can create pods at once.
@@ -79,8 +90,9 @@ pub fn established(crd: &CustomResourceDefinition) -> bool {
 
 /// Creates `count` Node objects that the KWOK controller (which kwokctl runs with
 /// `--manage-all-nodes`) keeps Ready and whose bound pods it makes Running and Ready.
-/// No taint: plain Deployments should land on them without tolerations.
-pub async fn fake_nodes(client: &Client, count: usize) -> Result<()> {
+/// No taint: plain Deployments should land on them without tolerations. With `cores`,
+/// each node's allocatable is set (KWOK keeps what a node's status already has).
+pub async fn fake_nodes(client: &Client, count: usize, cores: Option<u32>) -> Result<()> {
     let api: Api<Node> = Api::all(client.clone());
     let pp = PatchParams::apply(FIELD_MANAGER).force();
     let names: Vec<String> = (0..count).map(|i| format!("kwok-node-{i}")).collect();
@@ -105,6 +117,17 @@ pub async fn fake_nodes(client: &Client, count: usize) -> Result<()> {
         api.patch(name, &pp, &Patch::Apply(&node))
             .await
             .with_context(|| format!("applying node {name}"))?;
+        if let Some(cores) = cores {
+            let size =
+                serde_json::json!({"cpu": cores.to_string(), "memory": NODE_MEMORY, "pods": "110"});
+            let status = serde_json::json!({
+                "apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+                "status": {"allocatable": size, "capacity": size},
+            });
+            api.patch_status(name, &pp, &Patch::Apply(&status))
+                .await
+                .with_context(|| format!("sizing node {name}"))?;
+        }
     }
     for name in &names {
         wait_for(

@@ -26,6 +26,15 @@ pub const HUB: &str = "flotilla-hub";
 pub const HEARTBEAT_GRACE: Duration = Duration::from_secs(6);
 /// The agents' heartbeat interval: a third of the grace, so one late beat is no outage.
 pub const HEARTBEAT: Duration = Duration::from_secs(2);
+/// Agents report capacity changes at most this often.
+pub const CAPACITY_INTERVAL: Duration = Duration::from_secs(2);
+/// The MemberCluster label members are joined with, for spread tests.
+pub const REGION: &str = "topology.kubernetes.io/region";
+
+/// cluster2 is alone in `us`; the others are in `eu`.
+pub fn region_of(member: &str) -> &'static str {
+    if member == "cluster2" { "us" } else { "eu" }
+}
 
 /// How one component was started.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -243,7 +252,11 @@ pub async fn up(env: &Env) -> Result<Federation> {
     let mut tokens = BTreeMap::new();
     for member in env.members() {
         let token = dir.join(format!("{member}.token"));
-        cli.join(member, &[("name", member)], &token)?;
+        cli.join(
+            member,
+            &[("name", member), (REGION, region_of(member))],
+            &token,
+        )?;
         let (http, webhook) = (free_addr()?, free_addr()?);
         components.insert(
             agent_name(member),
@@ -260,6 +273,7 @@ pub async fn up(env: &Env) -> Result<Federation> {
                     format!("--webhook-addr={webhook}"),
                     format!("--webhook-url=https://{webhook}/convert"),
                     format!("--heartbeat={}s", HEARTBEAT.as_secs()),
+                    format!("--capacity-interval={}s", CAPACITY_INTERVAL.as_secs()),
                 ],
                 kubeconfig: env.kubeconfig(member)?.to_path_buf(),
                 http,

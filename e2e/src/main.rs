@@ -44,7 +44,8 @@ enum Cmd {
     },
     /// Unit tests + the e2e suite; brings the environment up (and down again) if it is not running
     Test {
-        #[arg(long, default_value_t = 2)]
+        /// Three: the scheduling tests divide replicas over three members.
+        #[arg(long, default_value_t = 3)]
         members: usize,
         #[arg(long, value_enum, default_value_t = Provider::Local)]
         provider: Provider,

@@ -14,7 +14,7 @@ use anyhow::Context as _;
 use flotilla_common::http::Gate;
 use flotilla_common::listed;
 use flotilla_common::metrics::Metrics;
-use flotilla_crds::federated::ORPHAN_ANNOTATION;
+use flotilla_crds::federated::{ORPHAN_ANNOTATION, SchedulingMode};
 use flotilla_crds::{FederatedMyApp, MemberCluster};
 use futures::{Stream, StreamExt, TryStreamExt};
 use kube::api::{Api, Patch, PatchParams};
@@ -30,7 +30,7 @@ use tracing::{info, warn};
 
 use crate::dispatch::Dispatcher;
 use crate::index::{AppKey, Desired};
-use crate::membership::registered;
+use crate::membership::{MemberChanges, registered};
 use crate::placement::Members;
 use crate::render::{self, ClusterError};
 use crate::status::{Outcome, Plan, StatusBoard};
@@ -158,19 +158,41 @@ fn index_deletion(app: &FederatedMyApp, members: &Members, ctx: &Context) -> Pla
     }
 }
 
-/// Plans every app for the registered clusters as they are now, then tells the
-/// dispatcher which clusters that was, so that their agents may be admitted.
-pub fn plan_all(ctx: &Context) {
+/// Plans every app (or, after a change of capacity only, those divided by capacity) for
+/// the registered clusters as they are now, then tells the dispatcher which clusters
+/// that was, so that their agents may be admitted. Returns when the earliest plan wants
+/// another look (a failover grace period ends, replacements may be Ready).
+pub fn plan_all(ctx: &Context, scope: Scope) -> Option<Duration> {
     let members = registered(&ctx.members);
+    let mut recheck: Option<Duration> = None;
     for app in ctx.apps.state() {
+        if scope == Scope::ByCapacity && !by_capacity(&app) {
+            continue;
+        }
         let plan = match app.metadata.deletion_timestamp {
             None => index_app(&app, &members, ctx),
             Some(_) => index_deletion(&app, &members, ctx),
         };
+        if let Some(after) = plan.schedule.as_ref().and_then(|s| s.recheck_after) {
+            recheck = Some(recheck.map_or(after, |r| r.min(after)));
+        }
         ctx.status.set_plan(&key_of(&app), plan);
     }
     ctx.dispatcher
         .planned_for(members.into_keys().collect::<BTreeSet<_>>());
+    recheck
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    All,
+    /// Only clusters' capacity changed: nothing else depends on it.
+    ByCapacity,
+}
+
+fn by_capacity(app: &FederatedMyApp) -> bool {
+    let scheduling = app.spec.placement.replica_scheduling.as_ref();
+    scheduling.is_some_and(|r| r.mode == SchedulingMode::Capacity)
 }
 
 /// When each store has listed.
@@ -181,13 +203,14 @@ pub struct Listed {
 
 /// Waits until both stores have listed, plans every app (deletions too: an orphaning
 /// delete must reach agents as a release, never as a missing entry that they would
-/// collect), opens `planned` and `gate`, then plans again on every membership change.
+/// collect), opens `planned` and `gate`, then plans again on every membership change and
+/// whenever a plan asked to be looked at again.
 pub async fn plan_loop(
     ctx: Arc<Context>,
     listed: Listed,
     planned: watch::Sender<bool>,
     gate: Gate,
-    mut members_changed: watch::Receiver<u64>,
+    mut members_changed: watch::Receiver<MemberChanges>,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let wait = |what: &'static str, listed: listed::Listed| async move {
@@ -204,9 +227,10 @@ pub async fn plan_loop(
             tokio::try_join!(wait("FederatedMyApp", listed.apps), wait("MemberCluster", listed.members))
         } => { r?; }
     }
+    let mut seen = *members_changed.borrow_and_update();
+    let mut scope = Scope::All;
     loop {
-        members_changed.borrow_and_update();
-        plan_all(&ctx);
+        let recheck = plan_all(&ctx, scope);
         if !*planned.borrow() {
             planned.send_replace(true);
             gate.open();
@@ -216,10 +240,23 @@ pub async fn plan_loop(
                 "every app planned; accepting agents"
             );
         }
-        tokio::select! {
+        let recheck = async {
+            match recheck {
+                Some(after) => tokio::time::sleep(after).await,
+                None => std::future::pending().await,
+            }
+        };
+        scope = tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
-            changed = members_changed.changed() => changed?,
-        }
+            _ = recheck => Scope::All,
+            changed = members_changed.changed() => {
+                changed?;
+                let now = *members_changed.borrow_and_update();
+                let scope = if now.clusters == seen.clusters { Scope::ByCapacity } else { Scope::All };
+                seen = now;
+                scope
+            }
+        };
     }
 }
 

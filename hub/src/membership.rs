@@ -44,6 +44,31 @@ pub fn registered(members: &Store<MemberCluster>) -> Members {
         .collect()
 }
 
+/// Counts of changes to the registered clusters: of anything placement reads (names,
+/// labels, cordon, readiness), and of capacity only (which only `Capacity` apps read).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemberChanges {
+    pub clusters: u64,
+    pub capacity: u64,
+}
+
+/// What placement and scheduling read of each cluster besides its capacity. Readiness
+/// counts as ready or not: how long a cluster has been NotReady moves with the clock,
+/// and each plan asks to be looked at again when a grace period ends.
+fn shape(members: &Members) -> Vec<(String, placement::Labels, bool, bool)> {
+    members
+        .iter()
+        .map(|(name, m)| {
+            let not_ready = m.not_ready_for.is_some();
+            (name.clone(), m.labels.clone(), m.unschedulable, not_ready)
+        })
+        .collect()
+}
+
+fn capacity(members: &Members) -> Vec<Option<ClusterCapacity>> {
+    members.values().map(|m| m.capacity.clone()).collect()
+}
+
 /// Why an agent in the physical cluster `uid` may not speak for `member`: the
 /// credential was first used from another cluster (its pinned `kube-system` UID).
 pub fn foreign_cluster(member: &MemberCluster, uid: &str) -> Option<String> {
@@ -64,11 +89,11 @@ pub async fn watch_members(
     events: impl Stream<Item = Result<MemberCluster, kube::runtime::watcher::Error>>,
     members: Store<MemberCluster>,
     dispatcher: Arc<Dispatcher>,
-    changed: watch::Sender<u64>,
+    changed: watch::Sender<MemberChanges>,
     client: kube::Client,
 ) -> anyhow::Result<()> {
     let api: Api<MemberCluster> = Api::all(client);
-    let mut last = None;
+    let (mut last_shape, mut last_capacity) = (None, None);
     let mut events = std::pin::pin!(events);
     while let Some(event) = events.next().await {
         let member = match event {
@@ -88,10 +113,13 @@ pub async fn watch_members(
             confirm_collection(&api, &dispatcher, &member.name_any(), confirmed).await;
         }
         let now = registered(&members);
-        if last.as_ref() != Some(&now) {
-            last = Some(now);
-            changed.send_modify(|n| *n += 1);
+        let (shape, capacity) = (shape(&now), capacity(&now));
+        if last_shape.as_ref() != Some(&shape) {
+            changed.send_modify(|c| c.clusters += 1);
+        } else if last_capacity.as_ref() != Some(&capacity) {
+            changed.send_modify(|c| c.capacity += 1);
         }
+        (last_shape, last_capacity) = (Some(shape), Some(capacity));
     }
     bail!("the MemberCluster watch ended")
 }
@@ -479,7 +507,11 @@ mod tests {
         };
         m.heartbeat("c1");
         m.capacity("c1", room.clone());
-        let due = m.due(&["c1".into()], &store(&[("c1", Some(true))]), Instant::now());
+        let due = m.due(
+            &["c1".into()],
+            &store(&[("c1", Some(true))]),
+            Instant::now(),
+        );
         assert_eq!(due[0].1.capacity.as_ref(), Some(&room));
         // A hub that restarted has heard nothing yet: it keeps what the status shows.
         let restarted = Membership::new(Duration::from_secs(40));

@@ -98,7 +98,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         planned,
         leading: leading.clone(),
     });
-    let (members_changed, members_changed_rx) = watch::channel(0);
+    let (members_changed, members_changed_rx) = watch::channel(Default::default());
     let (member_events, members_listed) = listed::track(
         reflector(
             members_writer,

@@ -578,10 +578,7 @@ mod tests {
         );
         let c = |name: &str| s.clusters.iter().find(|c| c.name == name).unwrap();
         assert_eq!(c("c1").replicas, Some(8));
-        assert_eq!(
-            c("c2").scheduling_reason,
-            Some(SchedulingReason::Failover)
-        );
+        assert_eq!(c("c2").scheduling_reason, Some(SchedulingReason::Failover));
         assert_eq!(c("c3").replicas, Some(3));
         assert!(c("c3").message.contains("failover grace period"));
         // The failed-over copy is neither placed nor an error; its replicas are not
