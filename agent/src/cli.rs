@@ -17,6 +17,7 @@ use crate::webhook::crd::Endpoint;
 use crate::webhook::{WebhookConfig, run_webhook};
 use flotilla_common::http::{self, Readiness};
 use flotilla_common::kubeconfig::KubeArgs;
+use flotilla_common::leader;
 use flotilla_common::metrics::Metrics;
 use flotilla_common::{shutdown, telemetry};
 
@@ -130,6 +131,10 @@ pub struct OperatorArgs {
     pub instance: Option<String>,
     #[command(flatten)]
     pub webhook: WebhookArgs,
+    /// With `--leader-elect`, one agent per member cluster is active: the others serve
+    /// the conversion webhook and wait for the Lease, touching nothing.
+    #[command(flatten)]
+    pub leader: leader::LeaderArgs,
 }
 
 /// The conversion webhook. Without `--webhook-url` or `--webhook-service` it serves but
@@ -232,7 +237,10 @@ async fn serve(
     session: Option<SessionConfig>,
 ) -> anyhow::Result<()> {
     let shutdown = shutdown::on_signal().context("installing the SIGTERM handler")?;
-    let client = kube.client().await.context("connecting to Kubernetes")?;
+    let kube_config = kube.config().await.context("connecting to Kubernetes")?;
+    let client = kube::Client::try_from(kube_config.clone()).context("connecting to Kubernetes")?;
+    let (active, campaign) =
+        leader::elect(kube_config, &args.leader, leader::AGENT, shutdown.clone())?;
     let metrics = Arc::new(Metrics::default());
     let readiness = Readiness::default();
     let operator_ready = readiness.gate("operator");
@@ -272,8 +280,29 @@ async fn serve(
         operator_ready,
         shutdown.clone(),
     );
+    // Only the active agent acts; one that loses the Lease stops, and restarts as a
+    // standby, so that two agents never act at once.
+    let acting = async {
+        if !became_active(active.clone(), &shutdown).await {
+            return Ok(());
+        }
+        let work = async { tokio::join!(operator, hub) };
+        tokio::pin!(work);
+        let result = tokio::select! {
+            _ = &mut work => Ok(()),
+            () = lost(active) => if shutdown.is_cancelled() {
+                // Stepping down at shutdown: let the work end gracefully.
+                work.await;
+                Ok(())
+            } else {
+                Err(anyhow::anyhow!("lost the agent Lease: stopping, so that only the active agent acts"))
+            },
+        };
+        shutdown.cancel();
+        result
+    };
     // A component that stops on its own takes the others down: the process restarts whole.
-    let (served, hooked, (), ()) = tokio::join!(
+    let (served, hooked, acted, ()) = tokio::join!(
         async {
             let served = server.await;
             shutdown.cancel();
@@ -284,12 +313,36 @@ async fn serve(
             shutdown.cancel();
             hooked
         },
-        operator,
-        hub
+        acting,
+        campaign,
     );
     served.with_context(|| format!("serving on {}", args.http_addr))?;
     hooked.context("conversion webhook")?;
-    Ok(())
+    acted
+}
+
+/// Waits until this agent holds the Lease (at once without `--leader-elect`); false
+/// if the process stops first.
+async fn became_active(
+    mut active: tokio::sync::watch::Receiver<bool>,
+    shutdown: &tokio_util::sync::CancellationToken,
+) -> bool {
+    if !*active.borrow() {
+        tracing::info!("standby: waiting for the agent Lease");
+    }
+    let active = tokio::select! {
+        _ = shutdown.cancelled() => return false,
+        held = active.wait_for(|a| *a) => held.is_ok(),
+    };
+    if active {
+        tracing::info!("active");
+    }
+    active
+}
+
+/// Resolves when the Lease is lost (or the election ended).
+async fn lost(mut active: tokio::sync::watch::Receiver<bool>) {
+    let _ = active.wait_for(|a| !*a).await;
 }
 
 #[cfg(test)]

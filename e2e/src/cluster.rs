@@ -117,17 +117,6 @@ pub async fn fake_nodes(client: &Client, count: usize, cores: Option<u32>) -> Re
         api.patch(name, &pp, &Patch::Apply(&node))
             .await
             .with_context(|| format!("applying node {name}"))?;
-        if let Some(cores) = cores {
-            let size =
-                serde_json::json!({"cpu": cores.to_string(), "memory": NODE_MEMORY, "pods": "110"});
-            let status = serde_json::json!({
-                "apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
-                "status": {"allocatable": size, "capacity": size},
-            });
-            api.patch_status(name, &pp, &Patch::Apply(&status))
-                .await
-                .with_context(|| format!("sizing node {name}"))?;
-        }
     }
     for name in &names {
         wait_for(
@@ -143,6 +132,33 @@ pub async fn fake_nodes(client: &Client, count: usize, cores: Option<u32>) -> Re
             },
         )
         .await?;
+    }
+    // Sized once KWOK has initialized them (it keeps a status it finds, but its first
+    // write could replace one made before it), and checked until the size holds.
+    if let Some(cores) = cores {
+        let size =
+            serde_json::json!({"cpu": cores.to_string(), "memory": NODE_MEMORY, "pods": "110"});
+        for name in &names {
+            let status = serde_json::json!({
+                "apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+                "status": {"allocatable": size, "capacity": size},
+            });
+            wait_for(
+                READY_TIMEOUT,
+                &format!("node {name} sized {cores} cores"),
+                || async {
+                    api.patch_status(name, &pp, &Patch::Apply(&status)).await?;
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    let node = api.get(name).await?;
+                    let cpu = node
+                        .status
+                        .and_then(|s| s.allocatable)
+                        .and_then(|a| a.get("cpu").cloned());
+                    Ok((cpu.map(|q| q.0) == Some(cores.to_string())).then_some(()))
+                },
+            )
+            .await?;
+        }
     }
     Ok(())
 }

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use flotilla_crds::MemberCluster;
+use flotilla_proto::client::{self, Dial, DialError};
+use flotilla_proto::v1::{self as pb, hub_message};
 use kube::Api;
 use serde::{Deserialize, Serialize};
 
@@ -177,6 +179,51 @@ impl Federation {
         wait_http_ready(name, &self.launch(name)?.http).await
     }
 
+    /// Opens a session as an agent would (the agent's own dial) and reads until
+    /// SyncComplete; `Err` inside: the hub refused it, with this status.
+    pub async fn session(
+        &self,
+        token: &str,
+        cluster: &str,
+    ) -> Result<Result<Vec<pb::HubMessage>, tonic::Status>> {
+        let mut hub = client::connect(&Dial {
+            hub: self.hub_grpc.clone(),
+            ca_pem: std::fs::read(&self.hub_ca)?,
+            server_name: Some("localhost".into()),
+            token: token.into(),
+            keepalive: Duration::from_secs(10),
+            keepalive_timeout: Duration::from_secs(10),
+        })
+        .await?;
+        let hello = pb::Hello {
+            cluster: cluster.into(),
+            agent_version: "e2e".into(),
+            ..Default::default()
+        };
+        let (_tx, mut inbound) = match client::open_session(&mut hub, hello, 4).await {
+            Ok(session) => session,
+            Err(DialError::Refused(status)) => return Ok(Err(status)),
+            Err(e) => return Err(e.into()),
+        };
+        let mut got = Vec::new();
+        loop {
+            match tokio::time::timeout(Duration::from_secs(20), inbound.message())
+                .await
+                .context("no SyncComplete")?
+            {
+                Ok(Some(m)) => {
+                    let done = matches!(m.kind, Some(hub_message::Kind::SyncComplete(_)));
+                    got.push(m);
+                    if done {
+                        return Ok(Ok(got));
+                    }
+                }
+                Ok(None) => return Ok(Ok(got)),
+                Err(status) => return Ok(Err(status)),
+            }
+        }
+    }
+
     /// A component's /metrics text.
     pub async fn metrics(&self, name: &str) -> Result<String> {
         let (code, body) = http_get(&self.launch(name)?.http, "/metrics").await?;
@@ -209,17 +256,24 @@ pub async fn wait_http_ready(name: &str, http: &str) -> Result<()> {
 /// MemberCluster is Ready.
 pub async fn up(env: &Env) -> Result<Federation> {
     if let Ok(existing) = Federation::load(env) {
+        // Components a test left stopped start again as they were: the clusters are
+        // joined already, and their credentials still hold.
         let running: Vec<String> = process::records(&env.dir)?
             .into_iter()
             .filter(|r| r.alive())
             .map(|r| r.name)
             .collect();
-        if existing.components.keys().all(|c| running.contains(c)) {
-            return Ok(existing);
+        let stopped: Vec<String> = (existing.components.keys())
+            .filter(|c| !running.contains(c))
+            .cloned()
+            .collect();
+        for name in &stopped {
+            existing.start(env, name)?;
         }
-        for name in existing.components.keys() {
-            existing.stop(env, name)?;
+        for name in &stopped {
+            existing.wait_ready(name).await?;
         }
+        return Ok(existing);
     }
     let (hub_bin, agent_bin) = binaries()?;
     let dir = env.dir.join("federation");
@@ -274,6 +328,9 @@ pub async fn up(env: &Env) -> Result<Federation> {
                     format!("--webhook-url=https://{webhook}/convert"),
                     format!("--heartbeat={}s", HEARTBEAT.as_secs()),
                     format!("--capacity-interval={}s", CAPACITY_INTERVAL.as_secs()),
+                    // One active agent per member, as the install runs it.
+                    "--leader-elect".into(),
+                    "--lease-namespace=default".into(),
                 ],
                 kubeconfig: env.kubeconfig(member)?.to_path_buf(),
                 http,

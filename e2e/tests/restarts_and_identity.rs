@@ -4,13 +4,12 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use flotilla_crds::{FederatedMyApp, MyApp};
 use flotilla_e2e::federation::{Federation, HUB, agent_name};
 use flotilla_e2e::support::sample;
 use flotilla_e2e::{Env, wait_for};
-use flotilla_proto::client::{self, Dial, DialError};
-use flotilla_proto::v1::{self as pb, hub_message};
+use flotilla_proto::v1::hub_message;
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
@@ -24,9 +23,10 @@ fn apps(c: &Client) -> Api<MyApp> {
 
 /// (MyApp uid, generation, Deployment uid) per member: equal before and after means
 /// nothing was deleted, re-created or re-applied with a change.
+/// UIDs and generation of `name` (placed on cluster1 and cluster2) in both members.
 async fn fingerprint(env: &Env, name: &str) -> Result<BTreeMap<String, (String, i64, String)>> {
     let mut out = BTreeMap::new();
-    for m in env.members() {
+    for m in ["cluster1", "cluster2"] {
         let c = env.client(m).await?;
         let app = apps(&c).get(name).await?;
         let deploy = Api::<Deployment>::namespaced(c, "default")
@@ -58,50 +58,6 @@ async fn resynced(f: &Federation, cluster: &str, before: f64) -> Result<()> {
         Ok((hub_sent(f, cluster, "sync_complete").await? > before).then_some(()))
     })
     .await
-}
-
-/// Opens a session as an agent would (the agent's own dial), reads until SyncComplete.
-async fn session(
-    f: &Federation,
-    token: &str,
-    cluster: &str,
-) -> Result<Result<Vec<pb::HubMessage>, tonic::Status>> {
-    let mut hub = client::connect(&Dial {
-        hub: f.hub_grpc.clone(),
-        ca_pem: std::fs::read(&f.hub_ca)?,
-        server_name: Some("localhost".into()),
-        token: token.into(),
-        keepalive: Duration::from_secs(10),
-        keepalive_timeout: Duration::from_secs(10),
-    })
-    .await?;
-    let hello = pb::Hello {
-        cluster: cluster.into(),
-        agent_version: "e2e".into(),
-        ..Default::default()
-    };
-    let (_tx, mut inbound) = match client::open_session(&mut hub, hello, 4).await {
-        Ok(session) => session,
-        Err(DialError::Refused(status)) => return Ok(Err(status)),
-        Err(e) => return Err(e.into()),
-    };
-    let mut got = Vec::new();
-    loop {
-        match tokio::time::timeout(Duration::from_secs(20), inbound.message())
-            .await
-            .context("no SyncComplete")?
-        {
-            Ok(Some(m)) => {
-                let done = matches!(m.kind, Some(hub_message::Kind::SyncComplete(_)));
-                got.push(m);
-                if done {
-                    return Ok(Ok(got));
-                }
-            }
-            Ok(None) => return Ok(Ok(got)),
-            Err(status) => return Ok(Err(status)),
-        }
-    }
 }
 
 #[tokio::test]
@@ -173,11 +129,13 @@ async fn restarts_resend_nothing_and_credentials_bind_one_cluster() -> Result<()
     // cluster2's credential cannot claim cluster1; while cluster2's agent is connected,
     // a second session with its credential is refused rather than let in to flap.
     let token2 = std::fs::read_to_string(&f.tokens["cluster2"])?;
-    let refused = session(&f, token2.trim(), "cluster1")
+    let refused = f
+        .session(token2.trim(), "cluster1")
         .await?
         .expect_err("claiming another cluster");
     assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
-    let second = session(&f, token2.trim(), "cluster2")
+    let second = f
+        .session(token2.trim(), "cluster2")
         .await?
         .expect_err("a second live session of cluster2");
     assert_eq!(second.code(), tonic::Code::AlreadyExists, "{second:?}");
@@ -189,7 +147,7 @@ async fn restarts_resend_nothing_and_credentials_bind_one_cluster() -> Result<()
     cli.join("revoked-e2e", &[], &token_file)?;
     let token = std::fs::read_to_string(&token_file)?;
     let messages = wait_for(TIMEOUT, "the joined credential accepted", || async {
-        Ok(session(&f, token.trim(), "revoked-e2e").await?.ok())
+        Ok(f.session(token.trim(), "revoked-e2e").await?.ok())
     })
     .await?;
     // A credential sees only its own cluster's MyApps: nothing is placed on this one.
@@ -200,7 +158,7 @@ async fn restarts_resend_nothing_and_credentials_bind_one_cluster() -> Result<()
     assert!(messages.len() == 1, "{messages:?}");
     cli.revoke("revoked-e2e")?;
     let refused = wait_for(TIMEOUT, "the revoked credential refused", || async {
-        let refused = session(&f, token.trim(), "revoked-e2e").await?.err();
+        let refused = f.session(token.trim(), "revoked-e2e").await?.err();
         Ok(refused.filter(|s| s.code() == tonic::Code::Unauthenticated))
     })
     .await?;

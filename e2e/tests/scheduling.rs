@@ -329,8 +329,9 @@ async fn failover_moves_a_lost_clusters_share_without_a_dip() -> Result<()> {
     .await;
     sampler.abort();
     // Whatever happened, the agent runs again for the other tests.
-    federation::up(&c.env).await?;
+    let restored = federation::up(&c.env).await;
     outcome?;
+    restored?;
     let lowest = lowest.load(Ordering::Relaxed);
     println!(
         "failover: lowest ready replicas {lowest} of 12 (bound 9), round trip {:.1}s",

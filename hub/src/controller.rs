@@ -250,6 +250,10 @@ pub async fn plan_loop(
             _ = shutdown.cancelled() => return Ok(()),
             _ = recheck => Scope::All,
             changed = members_changed.changed() => {
+                if changed.is_err() && shutdown.is_cancelled() {
+                    // The membership watch stopped first.
+                    return Ok(());
+                }
                 changed?;
                 let now = *members_changed.borrow_and_update();
                 let scope = if now.clusters == seen.clusters { Scope::ByCapacity } else { Scope::All };

@@ -335,6 +335,8 @@ mod tests {
                 "ServiceAccount/flotilla-agent",
                 "ClusterRole/flotilla-agent",
                 "ClusterRoleBinding/flotilla-agent",
+                "Role/flotilla-agent-leader",
+                "RoleBinding/flotilla-agent-leader",
                 "Secret/flotilla-hub-credentials",
                 "Deployment/flotilla-agent",
                 "Service/flotilla-agent",
@@ -536,7 +538,7 @@ mod tests {
                 ..install()
             };
             let docs = parse(&render(&i).unwrap());
-            prop_assert_eq!(docs.len(), 8);
+            prop_assert_eq!(docs.len(), 10);
             let objects = by_kind_and_name(&docs);
             let secret_doc = objects["Secret/flotilla-hub-credentials"];
             prop_assert_eq!(b64d(&secret_doc["data"]["token"]), i.token.clone());

@@ -4,9 +4,9 @@
 //! hash; pure), `index` (desired state per cluster; pure), `dispatch` (per-agent queues
 //! over the index), `auth` (tokens), `server` (the gRPC service agents dial), `status`
 //! (reports → FederatedMyApp status), `membership` (MemberCluster watch, heartbeats and
-//! capacity → MemberCluster status), `leader` (which hub replica leads), `controller`
-//! (FederatedMyApp reconcile, finalizer, planning passes), `install` (what `join`
-//! prints), `run` (wiring only), `cli`.
+//! capacity → MemberCluster status), `controller` (FederatedMyApp reconcile, finalizer,
+//! planning passes), `install` (what `join` prints), `run` (wiring only, with
+//! `flotilla_common::leader` choosing the leading replica), `cli`.
 
 pub mod auth;
 pub mod cli;
@@ -14,7 +14,6 @@ pub mod controller;
 pub mod dispatch;
 pub mod index;
 pub mod install;
-pub mod leader;
 pub mod membership;
 pub mod overrides;
 pub mod placement;

@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use flotilla_common::http::{self, Readiness};
 use flotilla_common::kubeconfig::KubeArgs;
+use flotilla_common::leader;
 use flotilla_common::listed;
 use flotilla_common::metrics::Metrics;
 use flotilla_common::supervise::Supervisor;
@@ -22,7 +23,6 @@ use tonic::transport::Identity;
 
 use crate::controller::{self, Context};
 use crate::dispatch::Dispatcher;
-use crate::leader;
 use crate::membership::{self, Membership};
 use crate::server::{self, FederationService};
 use crate::status::StatusBoard;
@@ -50,7 +50,7 @@ pub struct RunArgs {
     #[arg(long, env = "POD_NAME")]
     pub instance: Option<String>,
     #[command(flatten)]
-    pub leader: crate::leader::LeaderArgs,
+    pub leader: leader::LeaderArgs,
 }
 
 pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
@@ -62,7 +62,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     let client = Client::try_from(config.clone()).context("building the host cluster's client")?;
     // A standby stays warm (stores listed, every app planned) and ready, but writes
     // nothing and serves no agent: only the leader does (the Service routes to it).
-    let (leading, campaign) = leader::elect(config, &args.leader, shutdown.clone())?;
+    let (leading, campaign) = leader::elect(config, &args.leader, leader::HUB, shutdown.clone())?;
     let tls = Identity::from_pem(
         std::fs::read(&args.tls_cert)
             .with_context(|| format!("reading {}", args.tls_cert.display()))?,

@@ -1,14 +1,19 @@
-//! Leader election between hub replicas on a `coordination.k8s.io` Lease
-//! (kube-lease-manager). One hub leads: it serves agents and writes to the host. The
-//! others stay warm (stores listed, index rendered) and take over when the Lease expires.
+//! Leader election on a `coordination.k8s.io` Lease (kube-lease-manager), for the hub
+//! and for the agent.
 //!
-//! Use: `let (leading, campaign) = leader::elect(config, &args.leader, shutdown)?;` —
-//! `leading` is a `watch::Receiver<bool>` (true only while this hub holds the Lease;
-//! always true without `--leader-elect`); `campaign` is a future that ends when
+//! Hub: one hub leads: it serves agents and writes to the host. The others stay warm
+//! (stores listed, index rendered) and take over when the Lease expires. With
+//! `POD_NAME`/`POD_NAMESPACE` set, the hub keeps the label `flotilla.io/leader` on its
+//! own Pod equal to `leading`, which the gRPC Service selects, so agents reach the
+//! leader only.
+//!
+//! Agent: one agent per member cluster is active (a Deployment scaled to 2, a copied
+//! install): the others wait for the Lease and touch nothing.
+//!
+//! Use: `let (leading, campaign) = leader::elect(config, &args, leader::HUB, shutdown)?;`
+//! — `leading` is a `watch::Receiver<bool>` (true only while this process holds the
+//! Lease; always true without `--leader-elect`); `campaign` is a future that ends when
 //! `shutdown` fires (after releasing the Lease) and is a critical task otherwise.
-//! With `POD_NAME`/`POD_NAMESPACE` set, the hub also keeps the label
-//! `flotilla.io/leader` on its own Pod equal to `leading`, which the gRPC Service
-//! selects, so agents reach the leader only.
 
 use std::time::Duration;
 
@@ -22,18 +27,36 @@ use tracing::{info, warn};
 
 /// The label on hub Pods that routes agents: `"true"` on the leader only.
 pub const LEADER_LABEL: &str = "flotilla.io/leader";
-const FIELD_MANAGER: &str = "flotilla-hub-leader";
+
+/// Who campaigns: the default Lease name, and whether the leader labels its Pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Role {
+    pub lease: &'static str,
+    pub label_pod: bool,
+}
+
+pub const HUB: Role = Role {
+    lease: "flotilla-hub",
+    label_pod: true,
+};
+
+pub const AGENT: Role = Role {
+    lease: "flotilla-agent",
+    label_pod: false,
+};
 
 #[derive(clap::Args, Debug, Clone, PartialEq, Eq)]
 pub struct LeaderArgs {
-    /// Elect one leading hub among replicas through a Lease; without it this hub leads.
+    /// Elect one active replica through a Lease (one leading hub; one active agent per
+    /// member cluster); without it this process is active at once.
     #[arg(long, env = "FLOTILLA_LEADER_ELECT")]
     pub leader_elect: bool,
-    /// Namespace of the Lease (and of this hub's Pod).
+    /// Namespace of the Lease (and of this process's Pod).
     #[arg(long, env = "POD_NAMESPACE", default_value = "flotilla-system")]
     pub lease_namespace: String,
-    #[arg(long, default_value = "flotilla-hub")]
-    pub lease_name: String,
+    /// Default: flotilla-hub for the hub, flotilla-agent for the agent.
+    #[arg(long)]
+    pub lease_name: Option<String>,
     /// A leader that stops renewing loses the Lease after this long (whole seconds): the
     /// bound on failover after a leader dies.
     #[arg(long, default_value = "6s", value_parser = humantime::parse_duration)]
@@ -43,7 +66,8 @@ pub struct LeaderArgs {
     /// cannot renew steps down before the Lease expires.
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     pub lease_renew_margin: Duration,
-    /// This hub's name in the Lease, and the Pod it labels (the Pod name in a cluster).
+    /// This process's name in the Lease, and the Pod the hub labels (the Pod name in a
+    /// cluster).
     #[arg(long = "leader-identity", env = "POD_NAME")]
     pub identity: Option<String>,
 }
@@ -95,13 +119,18 @@ impl LeaderArgs {
         })
     }
 
+    /// The Lease's name (set from the role by [`elect`]).
+    fn lease(&self) -> &str {
+        self.lease_name.as_deref().unwrap_or_default()
+    }
+
     /// The identity in the Lease: the Pod name, or host name and process id outside a
     /// cluster; `attempt` makes each campaign a new holder (see [`campaign`]).
     fn holder(&self, attempt: u64) -> String {
         let base = self.identity.clone().unwrap_or_else(|| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
                 .map(|h| h.trim().to_string())
-                .unwrap_or_else(|_| "flotilla-hub".into());
+                .unwrap_or_else(|_| "flotilla".into());
             format!("{host}-{}", std::process::id())
         });
         format!("{base}/{attempt}")
@@ -112,6 +141,7 @@ impl LeaderArgs {
 pub fn elect(
     config: kube::Config,
     args: &LeaderArgs,
+    role: Role,
     shutdown: CancellationToken,
 ) -> Result<
     (
@@ -130,7 +160,8 @@ pub fn elect(
     }
     let timings = args.timings()?;
     let (tx, rx) = watch::channel(false);
-    let args = args.clone();
+    let mut args = args.clone();
+    args.lease_name.get_or_insert_with(|| role.lease.to_owned());
     let task = async move {
         let mut config = config;
         config.connect_timeout = Some(timings.call_timeout);
@@ -144,8 +175,20 @@ pub fn elect(
                 return;
             }
         };
-        let label = pod_label_loop(client.clone(), &args, tx.subscribe(), shutdown.clone());
-        let campaign = campaign(client, args.clone(), timings, tx, shutdown);
+        let leading = tx.subscribe();
+        let label = async {
+            if role.label_pod {
+                pod_label_loop(client.clone(), &args, role, leading, shutdown.clone()).await
+            }
+        };
+        let campaign = campaign(
+            client.clone(),
+            args.clone(),
+            role,
+            timings,
+            tx,
+            shutdown.clone(),
+        );
         tokio::join!(label, campaign);
     };
     Ok((rx, task.boxed()))
@@ -158,6 +201,7 @@ pub fn elect(
 async fn campaign(
     client: kube::Client,
     args: LeaderArgs,
+    role: Role,
     timings: Timings,
     tx: watch::Sender<bool>,
     shutdown: CancellationToken,
@@ -167,10 +211,10 @@ async fn campaign(
     loop {
         let identity = args.holder(attempt);
         attempt += 1;
-        let build = LeaseManagerBuilder::new(client.clone(), &args.lease_name)
+        let build = LeaseManagerBuilder::new(client.clone(), args.lease())
             .with_namespace(&args.lease_namespace)
             .with_identity(&identity)
-            .with_field_manager(FIELD_MANAGER)
+            .with_field_manager(field_manager(role))
             .with_duration(timings.duration_secs)
             .with_grace(timings.margin_secs)
             .build();
@@ -185,7 +229,7 @@ async fn campaign(
                 Held::Failed => backoff = Duration::from_millis(500),
             },
             Err(e) => warn!(
-                lease = %format!("{}/{}", args.lease_namespace, args.lease_name),
+                lease = %format!("{}/{}", args.lease_namespace, args.lease()),
                 error = %e,
                 "reading the leader Lease"
             ),
@@ -211,7 +255,7 @@ async fn hold(
     tx: &watch::Sender<bool>,
     shutdown: &CancellationToken,
 ) -> Held {
-    let lease = format!("{}/{}", args.lease_namespace, args.lease_name);
+    let lease = format!("{}/{}", args.lease_namespace, args.lease());
     loop {
         tokio::select! {
             biased;
@@ -245,6 +289,7 @@ async fn hold(
 async fn pod_label_loop(
     client: kube::Client,
     args: &LeaderArgs,
+    role: Role,
     mut leading: watch::Receiver<bool>,
     shutdown: CancellationToken,
 ) {
@@ -258,7 +303,7 @@ async fn pod_label_loop(
             .patch(
                 &pod,
                 &PatchParams {
-                    field_manager: Some(FIELD_MANAGER.into()),
+                    field_manager: Some(field_manager(role)),
                     ..Default::default()
                 },
                 &Patch::Merge(label_patch(want)),
@@ -267,7 +312,7 @@ async fn pod_label_loop(
         {
             Ok(_) => true,
             Err(e) => {
-                warn!(pod = %format!("{}/{pod}", args.lease_namespace), error = %e, "labelling the hub Pod {LEADER_LABEL}={want}");
+                warn!(pod = %format!("{}/{pod}", args.lease_namespace), error = %e, "labelling the Pod {LEADER_LABEL}={want}");
                 false
             }
         };
@@ -278,6 +323,10 @@ async fn pod_label_loop(
             _ = tokio::time::sleep(Duration::from_secs(2)), if !done => {}
         }
     }
+}
+
+fn field_manager(role: Role) -> String {
+    format!("{}-leader", role.lease)
 }
 
 /// The label is present only on the leader: a standby's Pod has none.
@@ -309,7 +358,7 @@ mod tests {
     fn defaults_fail_over_within_ten_seconds() {
         let args = parse(&["--leader-identity", "hub-0"]).unwrap();
         assert!(!args.leader_elect);
-        assert_eq!(args.lease_name, "flotilla-hub");
+        assert_eq!(args.lease_name, None);
         let t = args.timings().unwrap();
         // A dead leader's Lease expires after `duration`; the standby's forced release
         // waits at most one more second before it acquires.
@@ -370,7 +419,7 @@ mod tests {
         let shutdown = CancellationToken::new();
         let config = kube::Config::new("https://127.0.0.1:1".parse().unwrap());
         let args = parse(&[]).unwrap();
-        let (leading, task) = elect(config, &args, shutdown.clone()).unwrap();
+        let (leading, task) = elect(config, &args, HUB, shutdown.clone()).unwrap();
         assert!(*leading.borrow());
         let task = tokio::spawn(task);
         shutdown.cancel();
@@ -386,7 +435,7 @@ mod tests {
         // Nothing listens on port 1: every call of the election fails.
         let config = kube::Config::new("https://127.0.0.1:1".parse().unwrap());
         let args = parse(&["--leader-elect", "--leader-identity", "hub-0"]).unwrap();
-        let (mut leading, task) = elect(config, &args, shutdown.clone()).unwrap();
+        let (mut leading, task) = elect(config, &args, HUB, shutdown.clone()).unwrap();
         let task = tokio::spawn(task);
         let changed = tokio::time::timeout(Duration::from_secs(3), leading.changed()).await;
         assert!(changed.is_err() || !*leading.borrow(), "never leading");
