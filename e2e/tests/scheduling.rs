@@ -307,15 +307,19 @@ async fn failover_moves_a_lost_clusters_share_without_a_dip() -> Result<()> {
             kept.metadata.generation == before.metadata.generation && moved["cluster3"] == 3,
             "cluster3's MyApp was touched while it was unreachable: {moved:?}"
         );
-        let app = c.fedapps().get(name).await?;
-        let reason = app.status.as_ref().and_then(|s| {
-            let c3 = s.clusters.iter().find(|c| c.name == "cluster3")?;
-            c3.scheduling_reason
-        });
-        ensure!(
-            reason == Some(flotilla_crds::federated::SchedulingReason::FailedOver),
-            "cluster3's reason: {reason:?}"
-        );
+        // Status follows the pushes (its writes are coalesced).
+        wait_for(TIMEOUT, "cluster3 FailedOver in status", || async {
+            let app = c.fedapps().get(name).await?;
+            let reason = app.status.as_ref().and_then(|s| {
+                let c3 = s.clusters.iter().find(|c| c.name == "cluster3")?;
+                c3.scheduling_reason
+            });
+            Ok(
+                (reason == Some(flotilla_crds::federated::SchedulingReason::FailedOver))
+                    .then_some(()),
+            )
+        })
+        .await?;
         // Back: Rebalance gives cluster3 its share again, and 6/3/3 once it is Ready.
         faults::start(&c.env, &f, &agent).await?;
         wait_member_ready(&c.host, "cluster3", true, TIMEOUT).await?;
