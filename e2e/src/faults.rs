@@ -188,6 +188,8 @@ pub async fn agent_direct(env: &Env, f: &Federation, cluster: &str) -> Result<()
 /// Starts a second agent for `cluster` with the same credential, under the name
 /// `flotilla-agent-<cluster>-twin`, on its own health and webhook ports (and without
 /// re-publishing the conversion webhook, so that stopping it leaves the CRD working).
+/// Returns once it serves `/healthz`: with the Lease held by the first agent it is a
+/// standby, never ready. If it does not come up, it is stopped again.
 pub async fn start_twin(
     env: &Env,
     f: &Federation,
@@ -202,6 +204,10 @@ pub async fn start_twin(
         l.set_arg("webhook-addr", Some(&webhook));
         l.set_arg("webhook-url", None);
     })?;
-    crate::federation::wait_http_ready(&twin, &launch.http).await?;
+    if let Err(e) = crate::federation::wait_http_ok(&twin, &launch.http, "/healthz").await {
+        let _ = p.stop(Duration::from_secs(10));
+        let _ = crate::process::forget(&env.dir, &twin);
+        return Err(e);
+    }
     Ok((p, launch))
 }

@@ -244,10 +244,15 @@ fn spawn(env: &Env, name: &str, launch: &Launch) -> Result<ProcessRecord> {
 
 /// Waits until `http` (a component's health address) answers /readyz with 200.
 pub async fn wait_http_ready(name: &str, http: &str) -> Result<()> {
+    wait_http_ok(name, http, "/readyz").await
+}
+
+/// Waits until `path` on `http` answers 200 (`/healthz`: the process serves).
+pub async fn wait_http_ok(name: &str, http: &str, path: &str) -> Result<()> {
     crate::wait_for(
         Duration::from_secs(60),
-        &format!("{name} /readyz"),
-        || async { Ok(matches!(http_get(http, "/readyz").await, Ok((200, _))).then_some(())) },
+        &format!("{name} {path}"),
+        || async { Ok(matches!(http_get(http, path).await, Ok((200, _))).then_some(())) },
     )
     .await
 }

@@ -380,15 +380,23 @@ async fn a_second_agent_with_the_same_identity_changes_nothing() -> Result<()> {
         let r = async {
             let log = DeletionLog::start(&ctx.env).await?;
             let start = Instant::now();
-            let (twin, _) = faults::start_twin(&ctx.env, &ctx.f, "cluster1").await?;
+            let (twin, launch) = faults::start_twin(&ctx.env, &ctx.f, "cluster1").await?;
             // Both run while the desired state changes.
             let burst = ctx.burst(BURST / 5, usize::MAX, || async { Ok(()) }).await;
             tokio::time::sleep(Duration::from_secs(5)).await;
             let verdict = verdict(&ctx, "second-agent-same-identity", &log, start).await;
+            // The first agent holds the Lease: the twin waited as a standby throughout.
+            let standby = match flotilla_e2e::support::http_get(&launch.http, "/readyz").await {
+                Ok((200, _)) => Err(anyhow::anyhow!(
+                    "the twin agent is ready: two agents act for cluster1"
+                )),
+                _ => Ok(()),
+            };
             let twin_ran = twin.alive();
             twin.stop(Duration::from_secs(10))?;
             process::forget(&ctx.env.dir, &twin.name)?;
             burst?;
+            standby?;
             if !twin_ran {
                 // Not a failure by itself (a refused twin may exit), but say so.
                 eprintln!("the twin agent exited by itself; its log: {:?}", twin.log);
@@ -421,4 +429,120 @@ async fn the_hub_counts_sync_completes_per_member() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A host that lost its FederatedMyApps (a bad restore, a wrong kubeconfig) must not wipe
+/// a member: MyApps the member runs as Flotilla's but the hub no longer wants, more than
+/// half of what the agent manages, are held back until a user confirms; then they go.
+#[tokio::test]
+async fn a_mass_collection_waits_for_a_confirmation() -> Result<()> {
+    run("fault-breaker", |ctx| async move {
+        let r = async {
+            let c2 = ctx.env.client("cluster2").await?;
+            let myapps: Api<flotilla_crds::MyApp> = Api::namespaced(c2.clone(), "default");
+            let managed = managed_myapps(&c2).await?.len();
+            // Left behind as Flotilla's: more than the apps it should keep.
+            let leftovers: Vec<String> = (0..managed + 2)
+                .map(|i| format!("fault-breaker-leftover-{i}"))
+                .collect();
+            for name in &leftovers {
+                let app = json!({
+                    "apiVersion": "app.example.com/v1", "kind": "MyApp",
+                    "metadata": {"name": name, "namespace": "default",
+                                 "labels": {flotilla_crds::MANAGED_BY_LABEL: flotilla_crds::MANAGED_BY_VALUE}},
+                    "spec": {"replicas": 1, "image": "nginx:1.27"},
+                });
+                myapps
+                    .patch(name, &PatchParams::apply("e2e-leftover"), &Patch::Apply(&app))
+                    .await
+                    .with_context(|| format!("creating leftover MyApp {name} in cluster2"))?;
+            }
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            // The agent's next session lists them; the hub wants none of them.
+            let agent = agent_name("cluster2");
+            faults::sigkill(&ctx.env, &ctx.f, &agent)?;
+            faults::start(&ctx.env, &ctx.f, &agent).await?;
+            let members: Api<MemberCluster> = Api::all(ctx.host.clone());
+            let count = leftovers.len();
+            let blocked = wait_for(CONVERGE, "cluster2 CollectionBlocked", || async {
+                let mc = members.get("cluster2").await?;
+                let conditions = mc.status.map(|s| s.conditions).unwrap_or_default();
+                Ok(conditions
+                    .into_iter()
+                    .find(|c| c.type_ == "CollectionBlocked" && c.status == "True"))
+            })
+            .await?;
+            ensure!(
+                blocked.message.contains(&format!("deleting {count} of"))
+                    && blocked.message.contains("flotilla.io/confirm-collection"),
+                "the condition does not say what to confirm: {}",
+                blocked.message
+            );
+            let events: Api<k8s_openapi::api::core::v1::Event> =
+                Api::namespaced(ctx.host.clone(), "default");
+            wait_for(CONVERGE, "a CollectionBlocked Event on cluster2", || async {
+                let list = events
+                    .list(&ListParams::default().fields("involvedObject.name=cluster2"))
+                    .await?;
+                Ok(list
+                    .items
+                    .into_iter()
+                    .find(|e| e.reason.as_deref() == Some("CollectionBlocked")))
+            })
+            .await?;
+            // Held back: nothing deleted while unconfirmed.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            for name in &leftovers {
+                ensure!(
+                    myapps.get_opt(name).await?.is_some(),
+                    "{name} was collected without a confirmation"
+                );
+            }
+            ensure!(
+                log.unwanted(&BTreeSet::new()).is_empty(),
+                "deleted while held back: {:?}",
+                log.deletions()
+            );
+            // Confirmed: the hub passes it on and the leftovers go, and only they.
+            let confirm = json!({"metadata": {"annotations": {"flotilla.io/confirm-collection": count.to_string()}}});
+            members
+                .patch("cluster2", &PatchParams::default(), &Patch::Merge(&confirm))
+                .await?;
+            wait_for(CONVERGE, "the leftovers collected", || async {
+                for name in &leftovers {
+                    if myapps.get_opt(name).await?.is_some() {
+                        return Ok(None);
+                    }
+                }
+                Ok(Some(()))
+            })
+            .await?;
+            wait_for(CONVERGE, "the confirmation consumed", || async {
+                let mc = members.get("cluster2").await?;
+                let cleared = !mc.annotations().contains_key("flotilla.io/confirm-collection");
+                let open = mc.status.map(|s| s.conditions).unwrap_or_default().into_iter()
+                    .any(|c| c.type_ == "CollectionBlocked" && c.status == "True");
+                Ok((cleared && !open).then_some(()))
+            })
+            .await?;
+            let expected: BTreeSet<(String, String)> = leftovers
+                .iter()
+                .map(|n| ("cluster2".to_owned(), format!("default/{n}")))
+                .collect();
+            let converged = converge::wait_converged(&ctx.env, CONVERGE).await;
+            let unwanted = log.unwanted(&expected);
+            println!(
+                "fault mass-collection-held-back: converged pairs {}, unwanted deletions {}, converged in {:.1}s",
+                converged.as_ref().map_or("none (not converged)".into(), |(r, _)| r.converged.to_string()),
+                unwanted.len(),
+                start.elapsed().as_secs_f64()
+            );
+            converged?;
+            log.assert_clean(&expected)
+        }
+        .await;
+        (ctx, r)
+    })
+    .await
 }

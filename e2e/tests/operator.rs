@@ -19,7 +19,7 @@ use flotilla_e2e::{Env, ProcessRecord, wait_for};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch,
@@ -105,7 +105,9 @@ impl Fixture {
             .args(["--resync", "5m"])
             .args(["--http-addr", &http_addr])
             .args(["--webhook-addr", &webhook_addr])
-            .args(["--webhook-url", &format!("https://{webhook_addr}/convert")]);
+            .args(["--webhook-url", &format!("https://{webhook_addr}/convert")])
+            // Elected as the Deployment runs it: the Lease's RBAC is part of what is proven.
+            .args(["--leader-elect", "--lease-namespace", "flotilla-system"]);
         let name = format!("operator-{}", self.namespace);
         let operator = self.env.spawn(&name, &mut cmd).unwrap();
         self.own = Some(operator.clone());
@@ -658,6 +660,14 @@ async fn apply_deploy_rbac(client: &Client) -> Result<()> {
             }
             Some("ClusterRoleBinding") => {
                 let api: Api<ClusterRoleBinding> = Api::all(client.clone());
+                api.patch(&name, &pp, &Patch::Apply(&value)).await?;
+            }
+            Some("Role") => {
+                let api: Api<Role> = Api::namespaced(client.clone(), "flotilla-system");
+                api.patch(&name, &pp, &Patch::Apply(&value)).await?;
+            }
+            Some("RoleBinding") => {
+                let api: Api<RoleBinding> = Api::namespaced(client.clone(), "flotilla-system");
                 api.patch(&name, &pp, &Patch::Apply(&value)).await?;
             }
             other => bail!("unexpected {other:?} in {}", path.display()),

@@ -181,6 +181,12 @@ fn main() {
             membership: Arc::new(Membership::new(Duration::from_secs(60))),
             members: store,
             leading,
+            // No host here: its only Event (a held-back collection) never happens.
+            recorder: kube::runtime::events::Recorder::new(
+                kube::Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap()))
+                    .unwrap(),
+                "flotilla-hub-bench".into(),
+            ),
         };
         let hub_addr = serve(service, &tls).await;
         let (delivered, hub_time) = run_agents(hub_addr, &tls, &tokens).await;

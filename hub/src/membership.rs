@@ -158,6 +158,14 @@ async fn confirm_collection(
     }
 }
 
+/// What a held-back collection means and how to confirm it (condition and Event).
+pub fn collection_blocked_message(cluster: &str, would_collect: u32, managed: u32) -> String {
+    format!(
+        "the agent holds back deleting {would_collect} of its {managed} managed MyApps that the hub no longer wants; \
+         if that is intended, confirm with: kubectl annotate membercluster {cluster} {CONFIRM_COLLECTION_ANNOTATION}={would_collect}"
+    )
+}
+
 /// A user's go-ahead for a collection the agent's circuit breaker held back.
 pub const CONFIRM_COLLECTION_ANNOTATION: &str = "flotilla.io/confirm-collection";
 
@@ -362,10 +370,7 @@ impl Membership {
                 "CollectionBlocked",
                 true,
                 "CircuitBreakerOpen",
-                format!(
-                    "the agent holds back deleting {would_collect} of its {managed} managed MyApps that the hub no longer wants; \
-                     if that is intended, confirm with: kubectl annotate membercluster {name} {CONFIRM_COLLECTION_ANNOTATION}={would_collect}"
-                ),
+                collection_blocked_message(name, would_collect, managed),
                 generation,
                 &now,
             ),

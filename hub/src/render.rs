@@ -703,4 +703,128 @@ mod tests {
         dup.spec.placement.replica_scheduling = None;
         assert!(render(&dup, &members(&["c1"])).is_ok());
     }
+
+    mod properties {
+        use super::*;
+        use flotilla_crds::federated::{ClusterOverride, OverrideOp};
+        use proptest::prelude::*;
+
+        const CLUSTERS: [&str; 3] = ["c1", "c2", "c3"];
+
+        /// Pointers users write, and ones they get wrong: real fields, missing ones,
+        /// escapes, array indices, `-`, empty tokens, paths outside the allowed roots.
+        fn pointer() -> impl Strategy<Value = String> {
+            let token = prop_oneof![
+                Just("spec".to_owned()),
+                Just("replicas".to_owned()),
+                Just("image".to_owned()),
+                Just("config".to_owned()),
+                Just("metadata".to_owned()),
+                Just("labels".to_owned()),
+                Just("annotations".to_owned()),
+                Just("a~1b".to_owned()),
+                Just("~2".to_owned()),
+                Just("0".to_owned()),
+                Just("-".to_owned()),
+                Just(String::new()),
+                "[a-z~/]{0,6}",
+            ];
+            prop_oneof![
+                prop::collection::vec(token, 0..5).prop_map(|t| format!("/{}", t.join("/"))),
+                "\\PC{0,12}",
+            ]
+        }
+
+        fn value() -> impl Strategy<Value = Option<Value>> {
+            prop_oneof![
+                Just(None),
+                Just(Some(json!(null))),
+                (-5i64..20).prop_map(|n| Some(json!(n))),
+                "\\PC{0,8}".prop_map(|s| Some(json!(s))),
+                Just(Some(json!({"k": "v"}))),
+                Just(Some(json!([1, 2]))),
+                Just(Some(json!(true))),
+            ]
+        }
+
+        fn op() -> impl Strategy<Value = ClusterOverride> {
+            let kind = prop_oneof![
+                Just(OverrideOp::Add),
+                Just(OverrideOp::Remove),
+                Just(OverrideOp::Replace)
+            ];
+            (kind, pointer(), value()).prop_map(|(op, path, value)| ClusterOverride {
+                op,
+                path,
+                value,
+            })
+        }
+
+        fn overrides() -> impl Strategy<Value = Vec<ClusterOverrides>> {
+            let cluster = prop_oneof![
+                Just("c1".to_owned()),
+                Just("c2".to_owned()),
+                Just("ghost".to_owned())
+            ];
+            prop::collection::vec(
+                (cluster, prop::collection::vec(op(), 0..4)).prop_map(|(cluster_name, ops)| {
+                    ClusterOverrides {
+                        cluster_name,
+                        cluster_overrides: ops,
+                    }
+                }),
+                0..4,
+            )
+        }
+
+        fn base() -> FederatedMyApp {
+            app(
+                "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: p, namespace: n}\n\
+                 spec:\n  placement: {clusters: [{name: c1}, {name: c2}, {name: c3}]}\n  \
+                 template: {spec: {replicas: 2, image: 'nginx:1.27', config: {a: b}}}\n",
+            )
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+
+            /// Whatever the overrides: render never panics, never fails the whole app,
+            /// an error is that cluster's alone, and a cluster no override names renders
+            /// exactly as with no overrides at all.
+            #[test]
+            fn overrides_fail_only_their_own_cluster(list in overrides()) {
+                let members = members(&CLUSTERS);
+                let plain = render(&base(), &members).expect("the base renders");
+                let mut with = base();
+                with.spec.overrides = list.clone();
+                let rendered = render(&with, &members).expect("overrides never fail the whole app");
+                for cluster in CLUSTERS {
+                    let named = list.iter().any(|o| o.cluster_name == cluster);
+                    let result = &rendered.clusters[cluster];
+                    if !named {
+                        prop_assert_eq!(result, &plain.clusters[cluster]);
+                    }
+                    if let Err(e) = result {
+                        prop_assert!(named, "{cluster} failed without an override: {e}");
+                        let culprit = e.to_string();
+                        prop_assert!(!culprit.is_empty());
+                    }
+                }
+                // Overrides for a cluster that is not placed only warn.
+                let ghost = list.iter().any(|o| o.cluster_name == "ghost");
+                prop_assert_eq!(ghost, rendered.warnings.iter().any(|w| w.contains("ghost")));
+            }
+
+            /// Equal inputs give equal renders, byte for byte.
+            #[test]
+            fn render_is_deterministic(list in overrides()) {
+                let members = members(&CLUSTERS);
+                let mut with = base();
+                with.spec.overrides = list;
+                let once = render(&with, &members).unwrap();
+                let twice = render(&with, &members).unwrap();
+                prop_assert_eq!(&once, &twice);
+            }
+        }
+    }
 }

@@ -156,7 +156,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     );
     tasks.spawn(
         "controller",
-        controller::run(ctx, app_events, shutdown.clone()),
+        controller::run(ctx.clone(), app_events, shutdown.clone()),
     );
     let service = FederationService {
         dispatcher,
@@ -164,6 +164,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         membership: membership.clone(),
         members: members.clone(),
         leading: leading.clone(),
+        recorder: ctx.recorder.clone(),
     };
     tasks.spawn(
         "grpc",

@@ -12,7 +12,9 @@ use flotilla_crds::MemberCluster;
 use flotilla_proto::client::MAX_MESSAGE;
 use flotilla_proto::v1::federation_server::{Federation, FederationServer};
 use flotilla_proto::v1::{self as pb, agent_message};
-use kube::runtime::reflector::Store;
+use kube::Resource;
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::{ObjectRef, Store};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tokio_util::sync::CancellationToken;
@@ -46,6 +48,8 @@ pub struct FederationService {
     pub members: Store<MemberCluster>,
     /// Only the leading hub serves agents.
     pub leading: tokio::sync::watch::Receiver<bool>,
+    /// Events on MemberClusters (a held-back collection).
+    pub recorder: Recorder,
 }
 
 /// Binds `addr` and serves agents until `shutdown`; then ends every session at once so
@@ -182,8 +186,36 @@ impl Federation for FederationService {
             self.dispatcher.clone(),
             self.status.clone(),
             self.membership.clone(),
+            (self.recorder.clone(), self.members.clone()),
         ));
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// A Warning Event on the MemberCluster: `kubectl describe membercluster` and event
+/// pipelines see the held-back collection beside the condition.
+async fn collection_blocked_event(
+    recorder: &Recorder,
+    members: &Store<MemberCluster>,
+    cluster: &str,
+    blocked: &pb::CollectionBlocked,
+) {
+    let Some(member) = members.get(&ObjectRef::new(cluster)) else {
+        return;
+    };
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "CollectionBlocked".into(),
+        note: Some(membership::collection_blocked_message(
+            cluster,
+            blocked.would_collect,
+            blocked.managed,
+        )),
+        action: "Collect".into(),
+        secondary: None,
+    };
+    if let Err(e) = recorder.publish(&event, &member.object_ref(&())).await {
+        warn!(%cluster, error = %e, "publishing the CollectionBlocked Event failed");
     }
 }
 
@@ -228,6 +260,7 @@ async fn receive_loop(
     dispatcher: Arc<Dispatcher>,
     status: Arc<StatusBoard>,
     membership: Arc<Membership>,
+    (recorder, members): (Recorder, Store<MemberCluster>),
 ) {
     let cluster = queue.cluster().to_owned();
     loop {
@@ -260,6 +293,7 @@ async fn receive_loop(
                     .metrics
                     .collection_blocked(&cluster, b.would_collect);
                 membership.collection_blocked(&cluster, b.would_collect, b.managed);
+                collection_blocked_event(&recorder, &members, &cluster, &b).await;
             }
             Ok(Some(pb::AgentMessage {
                 kind: Some(agent_message::Kind::Capacity(c)),
