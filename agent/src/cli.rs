@@ -20,6 +20,7 @@ use flotilla_common::kubeconfig::KubeArgs;
 use flotilla_common::leader;
 use flotilla_common::metrics::Metrics;
 use flotilla_common::{shutdown, telemetry};
+use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -254,55 +255,50 @@ async fn serve(
         shutdown.clone(),
     );
     let config = args.operator_config();
-    let hub = async {
-        let Some(session) = session else { return };
-        let (managed, watch) = session::watch_managed(client.clone());
-        let (capacity, capacity_watch) = match session.capacity_interval {
-            Some(_) => {
-                let (source, watch) = capacity::watch(client.clone());
-                (Some(source), futures::future::Either::Left(watch))
-            }
-            None => (
-                None,
-                futures::future::Either::Right(futures::future::pending()),
-            ),
-        };
-        tokio::select! {
-            _ = session::run(client.clone(), session, managed, capacity, shutdown.clone()) => {}
-            _ = watch => {}
-            _ = capacity_watch => {}
+    // What the active agent does; `stop` ends it when the Lease is lost.
+    let act = |stop: CancellationToken| {
+        let hub = hub_session(client.clone(), session.clone(), stop.clone());
+        let operator = operator::run_operator(
+            client.clone(),
+            config.clone(),
+            metrics.clone(),
+            operator_ready.clone(),
+            stop,
+        );
+        async move {
+            tokio::join!(operator, hub);
         }
     };
-    let operator = operator::run_operator(
-        client.clone(),
-        config,
-        metrics,
-        operator_ready,
-        shutdown.clone(),
-    );
-    // Only the active agent acts; one that loses the Lease stops, and restarts as a
-    // standby, so that two agents never act at once.
+    // Only the agent holding the Lease acts. One that loses it (its apiserver gone for
+    // longer than the Lease, another agent took over) stops acting before anything else
+    // and waits as a standby again, so that two agents never act at once.
     let acting = async {
-        if !became_active(active.clone(), &shutdown).await {
-            return Ok(());
+        loop {
+            if !became_active(active.clone(), &shutdown).await {
+                return;
+            }
+            let stop = shutdown.child_token();
+            let work = act(stop.clone());
+            tokio::pin!(work);
+            tokio::select! {
+                () = &mut work => {
+                    shutdown.cancel();
+                    return;
+                }
+                () = lost(active.clone()) => {
+                    stop.cancel();
+                    work.await;
+                    if shutdown.is_cancelled() {
+                        return;
+                    }
+                    operator_ready.close();
+                    tracing::warn!("lost the agent Lease: stopped acting");
+                }
+            }
         }
-        let work = async { tokio::join!(operator, hub) };
-        tokio::pin!(work);
-        let result = tokio::select! {
-            _ = &mut work => Ok(()),
-            () = lost(active) => if shutdown.is_cancelled() {
-                // Stepping down at shutdown: let the work end gracefully.
-                work.await;
-                Ok(())
-            } else {
-                Err(anyhow::anyhow!("lost the agent Lease: stopping, so that only the active agent acts"))
-            },
-        };
-        shutdown.cancel();
-        result
     };
     // A component that stops on its own takes the others down: the process restarts whole.
-    let (served, hooked, acted, ()) = tokio::join!(
+    let (served, hooked, (), ()) = tokio::join!(
         async {
             let served = server.await;
             shutdown.cancel();
@@ -318,14 +314,39 @@ async fn serve(
     );
     served.with_context(|| format!("serving on {}", args.http_addr))?;
     hooked.context("conversion webhook")?;
-    acted
+    Ok(())
+}
+
+/// The session with the hub, with the watches it reads, until `stop`.
+async fn hub_session(
+    client: kube::Client,
+    session: Option<SessionConfig>,
+    stop: CancellationToken,
+) {
+    let Some(session) = session else { return };
+    let (managed, watch) = session::watch_managed(client.clone());
+    let (capacity, capacity_watch) = match session.capacity_interval {
+        Some(_) => {
+            let (source, watch) = capacity::watch(client.clone());
+            (Some(source), futures::future::Either::Left(watch))
+        }
+        None => (
+            None,
+            futures::future::Either::Right(futures::future::pending()),
+        ),
+    };
+    tokio::select! {
+        _ = session::run(client, session, managed, capacity, stop) => {}
+        _ = watch => {}
+        _ = capacity_watch => {}
+    }
 }
 
 /// Waits until this agent holds the Lease (at once without `--leader-elect`); false
 /// if the process stops first.
 async fn became_active(
     mut active: tokio::sync::watch::Receiver<bool>,
-    shutdown: &tokio_util::sync::CancellationToken,
+    shutdown: &CancellationToken,
 ) -> bool {
     if !*active.borrow() {
         tracing::info!("standby: waiting for the agent Lease");

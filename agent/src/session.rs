@@ -36,6 +36,7 @@ use tracing::{debug, info, warn};
 use crate::report::status_report;
 use crate::sync::{Key, Sync, SyncError, applied_hash, key_of};
 
+#[derive(Clone)]
 pub struct SessionConfig {
     /// `https://host:port` of the hub's gRPC endpoint.
     pub hub: String,

@@ -45,6 +45,7 @@ impl Readiness {
     }
 }
 
+#[derive(Clone)]
 pub struct Gate {
     name: String,
     readiness: Readiness,

@@ -57,20 +57,9 @@ impl Report {
     }
 }
 
-/// The registered clusters as the hub sees them (labels, cordon, readiness, capacity),
-/// leaving out those being deleted.
+/// The registered clusters as the hub sees them: the hub's own reading.
 pub fn members_of(clusters: &[MemberCluster]) -> Members {
-    let now = k8s_openapi::jiff::Timestamp::now();
-    clusters
-        .iter()
-        .filter(|m| m.metadata.deletion_timestamp.is_none())
-        .map(|m| {
-            (
-                m.name_any(),
-                flotilla_hub::placement::Member::from_cluster(m, now),
-            )
-        })
-        .collect()
+    flotilla_hub::membership::registered_of(clusters)
 }
 
 /// What each of `clusters` must run, from the host's apps and registered members. An app

@@ -7,7 +7,9 @@
 //! UID changed under the same name was deleted and re-created, and is recorded too.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
@@ -147,11 +149,6 @@ pub struct DeletionLog {
     tasks: Vec<JoinHandle<()>>,
 }
 
-fn lock(t: &Mutex<Tracker>) -> std::sync::MutexGuard<'_, Tracker> {
-    // A panic elsewhere leaves the data as good as it was.
-    t.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 impl DeletionLog {
     /// Watches every member; returns once each watch has listed what is there.
     pub async fn start(env: &Env) -> Result<DeletionLog> {
@@ -170,14 +167,14 @@ impl DeletionLog {
                 while let Some(event) = stream.next().await {
                     // Errors are retried by the backoff; a gap shows on the re-list.
                     if let Ok(event) = event {
-                        lock(&t).on_event(event);
+                        t.lock().on_event(event);
                     }
                 }
             }));
             log.trackers.push(tracker);
         }
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !log.trackers.iter().all(|t| lock(t).synced) {
+        while !log.trackers.iter().all(|t| t.lock().synced) {
             if Instant::now() > deadline {
                 bail!("the deletion log's watches did not list the members within 30s");
             }
@@ -190,7 +187,7 @@ impl DeletionLog {
     pub fn deletions(&self) -> Vec<Deletion> {
         self.trackers
             .iter()
-            .flat_map(|t| lock(t).deletions().to_vec())
+            .flat_map(|t| t.lock().deletions().to_vec())
             .collect()
     }
 

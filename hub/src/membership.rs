@@ -35,10 +35,15 @@ use crate::status::status_patch;
 /// Registered clusters (labels, cordon, readiness, capacity), leaving out those being
 /// deleted.
 pub fn registered(members: &Store<MemberCluster>) -> Members {
+    registered_of(members.state().iter().map(|m| &**m))
+}
+
+/// [`registered`] over any list of MemberClusters (the e2e convergence checker reads
+/// them from the host's apiserver).
+pub fn registered_of<'a>(clusters: impl IntoIterator<Item = &'a MemberCluster>) -> Members {
     let now = k8s_openapi::jiff::Timestamp::now();
-    members
-        .state()
-        .iter()
+    clusters
+        .into_iter()
         .filter(|m| m.metadata.deletion_timestamp.is_none())
         .map(|m| (m.name_any(), placement::Member::from_cluster(m, now)))
         .collect()
@@ -89,6 +94,7 @@ pub async fn watch_members(
     events: impl Stream<Item = Result<MemberCluster, kube::runtime::watcher::Error>>,
     members: Store<MemberCluster>,
     dispatcher: Arc<Dispatcher>,
+    membership: Arc<Membership>,
     changed: watch::Sender<MemberChanges>,
     client: kube::Client,
 ) -> anyhow::Result<()> {
@@ -110,7 +116,10 @@ pub async fn watch_members(
             }
         }
         if let Some(confirmed) = member.annotations().get(CONFIRM_COLLECTION_ANNOTATION) {
-            confirm_collection(&api, &dispatcher, &member.name_any(), confirmed).await;
+            let name = member.name_any();
+            if confirm_collection(&api, &dispatcher, &name, confirmed).await {
+                membership.collection_confirmed(&name);
+            }
         }
         let now = registered(&members);
         let (shape, capacity) = (shape(&now), capacity(&now));
@@ -126,23 +135,24 @@ pub async fn watch_members(
 
 /// Sends the cluster's agent a SyncComplete that confirms `confirmed` collections, then
 /// removes the annotation so that it cannot confirm a later, different mass deletion.
+/// Whether the confirmation reached the agent.
 async fn confirm_collection(
     api: &Api<MemberCluster>,
     dispatcher: &Dispatcher,
     cluster: &str,
     confirmed: &str,
-) {
+) -> bool {
     let Ok(count) = confirmed.parse::<u32>() else {
         warn!(
             cluster,
             value = confirmed,
             "{CONFIRM_COLLECTION_ANNOTATION} must be the number of MyApps to collect; ignored"
         );
-        return;
+        return false;
     };
     if !dispatcher.resync(cluster, count) {
         // Held until the agent is connected: it is the one waiting for the word.
-        return;
+        return false;
     }
     info!(
         cluster,
@@ -156,6 +166,7 @@ async fn confirm_collection(
     {
         warn!(cluster, error = %e, "removing {CONFIRM_COLLECTION_ANNOTATION} failed");
     }
+    true
 }
 
 /// What a held-back collection means and how to confirm it (condition and Event).
@@ -240,6 +251,15 @@ impl Membership {
         }
         m.capacity = Some(capacity);
         drop(members);
+        self.dirty.mark(cluster.to_owned());
+    }
+
+    /// A user confirmed the held-back collection and the agent got the word: the
+    /// condition clears (the agent says so again if the count no longer covers it).
+    pub fn collection_confirmed(&self, cluster: &str) {
+        if let Some(m) = self.members.lock().get_mut(cluster) {
+            m.blocked = None;
+        }
         self.dirty.mark(cluster.to_owned());
     }
 
@@ -569,6 +589,19 @@ mod tests {
             "{}",
             blocked.message
         );
+        // Confirmed and passed on to the agent: the condition clears.
+        m.collection_confirmed("c1");
+        let due = m.due(
+            &["c1".into()],
+            &store(&[("c1", Some(true))]),
+            Instant::now(),
+        );
+        let blocked = due[0]
+            .1
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "CollectionBlocked");
+        assert_eq!(blocked.unwrap().status, "False");
     }
 
     #[test]

@@ -130,6 +130,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         member_events,
         members.clone(),
         dispatcher.clone(),
+        membership.clone(),
         members_changed,
         client.clone(),
     );

@@ -1,0 +1,23 @@
+//! Any FederatedMyApp the apiserver could hand the hub (its JSON, as bytes): render never
+//! panics, and each cluster's error stays that cluster's.
+#![no_main]
+
+use flotilla_crds::FederatedMyApp;
+use flotilla_hub::placement::Members;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(app) = serde_json::from_slice::<FederatedMyApp>(data) else {
+        return;
+    };
+    let members: Members = ["cluster1", "cluster2", "cluster3"]
+        .into_iter()
+        .map(|c| (c.to_owned(), Default::default()))
+        .collect();
+    if let Ok(rendered) = flotilla_hub::render::render(&app, &members) {
+        for r in rendered.clusters.values().flatten() {
+            // The bytes pushed to agents are JSON.
+            let _ = r.to_value();
+        }
+    }
+});
