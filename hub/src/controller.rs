@@ -25,6 +25,7 @@ use kube::runtime::{Controller, WatchStreamExt, predicates, watcher};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -183,6 +184,18 @@ pub fn plan_all(ctx: &Context, scope: Scope) -> Option<Duration> {
     recheck
 }
 
+/// The next planning pass's deadline after a pass over `scope` that wants `wanted`.
+fn next_recheck(
+    scope: Scope,
+    current: Option<Instant>,
+    wanted: Option<Instant>,
+) -> Option<Instant> {
+    match scope {
+        Scope::All => wanted,
+        Scope::ByCapacity => current.into_iter().chain(wanted).min(),
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scope {
     All,
@@ -229,8 +242,12 @@ pub async fn plan_loop(
     }
     let mut seen = *members_changed.borrow_and_update();
     let mut scope = Scope::All;
+    // When some plan wants another look. A pass over every app replaces it; a pass over
+    // the Capacity apps only can bring it forward, never drop the others' wish.
+    let mut recheck_at: Option<Instant> = None;
     loop {
-        let recheck = plan_all(&ctx, scope);
+        let wanted = plan_all(&ctx, scope).map(|after| Instant::now() + after);
+        recheck_at = next_recheck(scope, recheck_at, wanted);
         if !*planned.borrow() {
             planned.send_replace(true);
             gate.open();
@@ -241,8 +258,8 @@ pub async fn plan_loop(
             );
         }
         let recheck = async {
-            match recheck {
-                Some(after) => tokio::time::sleep(after).await,
+            match recheck_at {
+                Some(at) => tokio::time::sleep_until(at).await,
                 None => std::future::pending().await,
             }
         };
@@ -474,6 +491,33 @@ mod tests {
         assert!(
             matches!(&plan.clusters["c2"], Outcome::Failed { message } if message.contains("maximum of 10"))
         );
+    }
+
+    /// A capacity-only pass (every few seconds while pods come and go) must not drop
+    /// the look again a Weighted app's make-before-break asked for.
+    #[test]
+    fn a_capacity_only_pass_keeps_the_other_apps_recheck() {
+        let now = Instant::now();
+        let (soon, later) = (now + Duration::from_secs(1), now + Duration::from_secs(5));
+        assert_eq!(
+            next_recheck(Scope::ByCapacity, Some(later), None),
+            Some(later)
+        );
+        assert_eq!(
+            next_recheck(Scope::ByCapacity, Some(later), Some(soon)),
+            Some(soon)
+        );
+        assert_eq!(
+            next_recheck(Scope::ByCapacity, Some(soon), Some(later)),
+            Some(soon)
+        );
+        assert_eq!(next_recheck(Scope::ByCapacity, None, None), None);
+        // A full pass knows every app's wish.
+        assert_eq!(
+            next_recheck(Scope::All, Some(soon), Some(later)),
+            Some(later)
+        );
+        assert_eq!(next_recheck(Scope::All, Some(soon), None), None);
     }
 
     #[test]
