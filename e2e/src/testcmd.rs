@@ -87,14 +87,23 @@ pub async fn run(dir: &Path, members: usize, provider: Provider) -> Result<bool>
     }
     if !interrupted && env_ok {
         let e2e = cargo(
-            &["test", "--no-fail-fast", "-p", "flotilla-e2e"],
+            // --show-output: the suite's figures (one line per fault, the failover's
+            // lowest ready count, the wire's timings) reach the log of a green run too.
+            &[
+                "test",
+                "--no-fail-fast",
+                "-p",
+                "flotilla-e2e",
+                "--",
+                "--show-output",
+            ],
             dir,
             &mut tally,
         )
         .await;
         interrupted |= e2e.is_err();
         steps.push((
-            "e2e suite: cargo test --no-fail-fast -p flotilla-e2e",
+            "e2e suite: cargo test --no-fail-fast -p flotilla-e2e -- --show-output",
             matches!(e2e, Ok(true)),
         ));
     }
