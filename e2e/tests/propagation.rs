@@ -326,3 +326,62 @@ async fn an_invalid_override_is_reported_for_its_cluster_only() -> Result<()> {
     );
     delete_and_wait(&c.host, "bad-override").await
 }
+
+/// A MyApp that Flotilla does not manage is never taken over: the hub's Apply is refused
+/// by the agent and shown for that cluster, the object stays as its owner wrote it, and
+/// deleting the FederatedMyApp leaves it alone and does not hang.
+#[tokio::test]
+async fn a_myapp_someone_else_owns_is_left_alone() -> Result<()> {
+    let c = clusters().await?;
+    let name = "owned-elsewhere";
+    let theirs: MyApp = serde_json::from_value(json!({
+        "apiVersion": "app.example.com/v1", "kind": "MyApp",
+        "metadata": {"name": name, "namespace": "default", "labels": {"owner": "someone-else"}},
+        "spec": {"replicas": 1, "image": "nginx:1.25"},
+    }))?;
+    myapps(&c.c1)
+        .patch(
+            name,
+            &PatchParams::apply("someone-else"),
+            &Patch::Apply(&theirs),
+        )
+        .await?;
+    apply(
+        &c.host,
+        &app(
+            name,
+            json!({"clusters": [{"name": "cluster1"}]}),
+            json!({"replicas": 4, "image": "nginx:1.27"}),
+            json!([]),
+        ),
+    )
+    .await?;
+    let status = status_where(&c.host, name, "ApplyFailed naming the owner", |s| {
+        condition(s, "Propagated").is_some_and(|c| {
+            c["reason"] == "ApplyFailed"
+                && c["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("does not manage"))
+        })
+    })
+    .await?;
+    assert!(
+        status["clusters"][0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("left alone")),
+        "{status}"
+    );
+    let kept = myapps(&c.c1).get(name).await?;
+    assert_eq!(kept.spec.replicas, Some(1));
+    assert_eq!(kept.spec.workload.image.as_deref(), Some("nginx:1.25"));
+    assert!(!kept.labels().contains_key("app.kubernetes.io/managed-by"));
+
+    delete_and_wait(&c.host, name).await?;
+    let after = myapps(&c.c1).get(name).await?;
+    assert_eq!(
+        after.metadata.uid, kept.metadata.uid,
+        "the owner's MyApp was deleted"
+    );
+    myapps(&c.c1).delete(name, &DeleteParams::default()).await?;
+    Ok(())
+}
