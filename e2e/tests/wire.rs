@@ -7,7 +7,7 @@ use anyhow::{Context, Result, ensure};
 use flotilla_e2e::federation::{Federation, HUB};
 use flotilla_e2e::support::http_get;
 use flotilla_e2e::{Env, converge};
-use flotilla_proto::client::{self, Dial};
+use flotilla_proto::client;
 use flotilla_proto::v1::{self as pb, agent_message};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -61,21 +61,7 @@ async fn bad_wire_input_is_refused_and_the_hub_keeps_serving() -> Result<()> {
         }
 
         // A message over the limit ends that session, and only that one.
-        let mut hub = client::connect(&Dial {
-            hub: f.hub_grpc.clone(),
-            ca_pem: std::fs::read(&f.hub_ca)?,
-            server_name: Some("localhost".into()),
-            token: token.clone(),
-            keepalive: Duration::from_secs(10),
-            keepalive_timeout: Duration::from_secs(10),
-        })
-        .await?;
-        let hello = pb::Hello {
-            cluster: CLUSTER.into(),
-            agent_version: "e2e".into(),
-            ..Default::default()
-        };
-        let (tx, mut inbound) = client::open_session(&mut hub, hello, 4).await?;
+        let (tx, mut inbound) = f.open_session(&token, CLUSTER).await?;
         let huge = pb::AgentMessage {
             kind: Some(agent_message::Kind::Status(pb::StatusReport {
                 apply_error: "x".repeat(client::MAX_MESSAGE + 1),

@@ -14,7 +14,7 @@ use flotilla_common::leader;
 use flotilla_common::listed;
 use flotilla_common::metrics::Metrics;
 use flotilla_common::supervise::Supervisor;
-use flotilla_crds::{FederatedMyApp, MemberCluster};
+use flotilla_crds::MemberCluster;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client};
@@ -51,6 +51,28 @@ pub struct RunArgs {
     pub instance: Option<String>,
     #[command(flatten)]
     pub leader: leader::LeaderArgs,
+}
+
+/// Every object of kind `K` on the host, into `writer`'s store, retried with backoff;
+/// with when it has listed.
+fn watch_all<K>(
+    client: &Client,
+    writer: reflector::store::Writer<K>,
+) -> (
+    impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    listed::Listed,
+)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let events = watcher(Api::<K>::all(client.clone()), watcher::Config::default());
+    listed::track(reflector(writer, events).default_backoff())
 }
 
 pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
@@ -99,27 +121,9 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         leading: leading.clone(),
     });
     let (members_changed, members_changed_rx) = watch::channel(Default::default());
-    let (member_events, members_listed) = listed::track(
-        reflector(
-            members_writer,
-            watcher(
-                Api::<MemberCluster>::all(client.clone()),
-                watcher::Config::default(),
-            ),
-        )
-        .default_backoff(),
-    );
+    let (member_events, members_listed) = watch_all(&client, members_writer);
     let member_events = member_events.touched_objects();
-    let (app_events, apps_listed) = listed::track(
-        reflector(
-            apps_writer,
-            watcher(
-                Api::<FederatedMyApp>::all(client.clone()),
-                watcher::Config::default(),
-            ),
-        )
-        .default_backoff(),
-    );
+    let (app_events, apps_listed) = watch_all(&client, apps_writer);
 
     let mut tasks = Supervisor::new(shutdown.clone(), Duration::from_secs(10));
     tasks.spawn("leader-election", async move {
