@@ -546,3 +546,109 @@ async fn a_mass_collection_waits_for_a_confirmation() -> Result<()> {
     })
     .await
 }
+
+/// Releasing with `kubefed.io/orphan` while the hub is SIGKILLed mid-way: every released
+/// MyApp stays in both members (no longer managed), nothing is deleted, the
+/// FederatedMyApps go once the new hub has heard every release.
+#[tokio::test]
+async fn hub_sigkilled_while_an_orphaning_delete_is_in_flight() -> Result<()> {
+    run("fault-orphan-kill", |ctx| async move {
+        let r = async {
+            let released: Vec<String> = (0..APPS / 2).map(|i| ctx.name(i)).collect();
+            let api = ctx.fedapps();
+            let orphan = json!({"metadata": {"annotations": {"kubefed.io/orphan": "true"}}});
+            for name in &released {
+                api.patch(name, &PatchParams::default(), &Patch::Merge(&orphan))
+                    .await?;
+            }
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            for (i, name) in released.iter().enumerate() {
+                api.delete(name, &DeleteParams::default()).await?;
+                if i == released.len() / 2 {
+                    faults::sigkill(&ctx.env, &ctx.f, HUB)?;
+                }
+            }
+            faults::start(&ctx.env, &ctx.f, HUB).await?;
+            wait_for(CONVERGE, "the released FederatedMyApps gone", || async {
+                for name in &released {
+                    if api.get_opt(name).await?.is_some() {
+                        return Ok(None);
+                    }
+                }
+                Ok(Some(()))
+            })
+            .await?;
+            for member in ["cluster1", "cluster2"] {
+                let myapps: Api<flotilla_crds::MyApp> =
+                    Api::namespaced(ctx.env.client(member).await?, "default");
+                for name in &released {
+                    let kept = myapps.get_opt(name).await?;
+                    ensure!(
+                        kept.as_ref().is_some_and(|a| !a
+                            .labels()
+                            .contains_key(flotilla_crds::MANAGED_BY_LABEL)),
+                        "{member}: {name} was not released (kept: {})",
+                        kept.is_some()
+                    );
+                }
+            }
+            let verdict = verdict(&ctx, "hub-sigkill-during-orphaning-delete", &log, start).await;
+            // Released copies are no longer Flotilla's: remove them by hand.
+            for member in ["cluster1", "cluster2"] {
+                let myapps: Api<flotilla_crds::MyApp> =
+                    Api::namespaced(ctx.env.client(member).await?, "default");
+                for name in &released {
+                    let _ = myapps.delete(name, &DeleteParams::default()).await;
+                }
+            }
+            verdict
+        }
+        .await;
+        (ctx, r)
+    })
+    .await
+}
+
+/// `join --rotate` for a running member: the agent holding the old token is cut off,
+/// reads the new one from its token file and reconnects on its own; labels, placement
+/// and workloads stay as they were.
+#[tokio::test]
+async fn a_rotated_token_changes_nothing_but_the_credential() -> Result<()> {
+    run("fault-rotate", |ctx| async move {
+        let r = async {
+            let members: Api<MemberCluster> = Api::all(ctx.host.clone());
+            let labels_before = members.get("cluster1").await?.labels().clone();
+            let syncs = hub_syncs(&ctx.f.metrics(HUB).await?, "cluster1");
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            let token = &ctx.f.tokens["cluster1"];
+            ctx.f.hub_cli()?.run(&[
+                "join",
+                "cluster1",
+                "--rotate",
+                "--token-file",
+                &token.to_string_lossy(),
+            ])?;
+            wait_for(
+                CONVERGE,
+                "cluster1's agent back with the new token",
+                || async {
+                    let now = hub_syncs(&ctx.f.metrics(HUB).await?, "cluster1");
+                    Ok((now > syncs).then_some(()))
+                },
+            )
+            .await?;
+            let labels_after = members.get("cluster1").await?.labels().clone();
+            ensure!(
+                labels_after == labels_before,
+                "rotation changed labels: {labels_before:?} -> {labels_after:?}"
+            );
+            ctx.apply(0, 6).await?;
+            verdict(&ctx, "token-rotated", &log, start).await
+        }
+        .await;
+        (ctx, r)
+    })
+    .await
+}
