@@ -61,10 +61,20 @@ fn executables(messages: &str) -> BTreeMap<String, PathBuf> {
         .collect()
 }
 
-/// `127.0.0.1:PORT` with a port free right now.
+/// `127.0.0.1:PORT` with a port free right now, and never one this process handed out
+/// before: the OS may offer a just-released port again, and two components given the
+/// same port fail at start (seen: the hub's and an agent's HTTP port).
 pub fn free_addr() -> Result<String> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-    Ok(listener.local_addr()?.to_string())
+    static GIVEN: parking_lot::Mutex<std::collections::BTreeSet<u16>> =
+        parking_lot::Mutex::new(std::collections::BTreeSet::new());
+    for _ in 0..1000 {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+        let addr = listener.local_addr()?;
+        if GIVEN.lock().insert(addr.port()) {
+            return Ok(addr.to_string());
+        }
+    }
+    anyhow::bail!("no free port this process has not handed out already")
 }
 
 /// A plain HTTP/1.0 GET on loopback: (status code, body).
@@ -180,5 +190,12 @@ mod tests {
         let addr = free_addr().unwrap();
         assert!(addr.starts_with("127.0.0.1:"), "{addr}");
         std::net::TcpListener::bind(&addr).unwrap();
+    }
+
+    #[test]
+    fn free_addr_never_hands_out_a_port_twice() {
+        let ports: std::collections::BTreeSet<String> =
+            (0..300).map(|_| free_addr().unwrap()).collect();
+        assert_eq!(ports.len(), 300);
     }
 }
