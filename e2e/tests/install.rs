@@ -186,3 +186,190 @@ async fn manifests_pass_a_server_side_dry_run() -> Result<()> {
     println!("server-side dry run passed: {}", report.join("; "));
     Ok(())
 }
+
+/// A cluster joins with what `flotilla-hub join` prints and nothing else: the stream is
+/// applied for real (here to the host, which runs no agent of its own: a second agent on
+/// a member's apiserver would see that member's MyApps), and the agent runs as a local
+/// process (KWOK pods run no containers) with the Deployment's own arguments, the
+/// Secret's token and CA, and a token of the ServiceAccount the stream created. A
+/// FederatedMyApp placed on the new cluster reaches it; unjoin removes it again.
+#[tokio::test]
+async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::Secret;
+    use kube::api::{Api, DeleteParams, Patch, PatchParams};
+    use serde_json::{Value, json};
+
+    const NAME: &str = "joined-e2e";
+    let env = Env::load_ready().await?;
+    let f = Federation::load(&env)?;
+    let host = env.kubeconfig(env.host())?.to_path_buf();
+    let host_client = env.client(env.host()).await?;
+    let dir = env.dir.join("federation").join(NAME);
+    std::fs::create_dir_all(&dir)?;
+    let file = dir.join("install.yaml");
+    let grpc = f.hub_grpc.trim_start_matches("https://").to_owned();
+    f.hub_cli()?.run(&[
+        "join",
+        NAME,
+        "--hub-address",
+        &grpc,
+        "--hub-server-name",
+        "localhost",
+        "--hub-ca-file",
+        &f.hub_ca.to_string_lossy(),
+        "-o",
+        &file.to_string_lossy(),
+    ])?;
+    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
+        Api::all(host_client.clone());
+    let conversion_before = crds.get("myapps.app.example.com").await?.spec.conversion;
+    let result = async {
+        run(
+            &kubectl(),
+            &[
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                "-f",
+                &file.to_string_lossy(),
+            ],
+            &host,
+            None,
+        )?;
+
+        // The agent as the Deployment runs it.
+        let deployment: Deployment = Api::namespaced(host_client.clone(), "flotilla-system")
+            .get("flotilla-agent")
+            .await?;
+        let container = &deployment.spec.unwrap().template.spec.unwrap().containers[0];
+        let secret: Secret = Api::namespaced(host_client.clone(), "flotilla-system")
+            .get("flotilla-hub-credentials")
+            .await?;
+        let data = secret.data.unwrap_or_default();
+        let (token_file, ca_file) = (dir.join("token"), dir.join("ca.crt"));
+        std::fs::write(
+            &token_file,
+            &data.get("token").context("the Secret has no token")?.0,
+        )?;
+        std::fs::write(
+            &ca_file,
+            &data.get("ca.crt").context("the Secret has no ca.crt")?.0,
+        )?;
+        let (http, webhook) = (
+            flotilla_e2e::support::free_addr()?,
+            flotilla_e2e::support::free_addr()?,
+        );
+        let args: Vec<String> = container
+            .args
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|a| match a.split_once('=') {
+                Some(("--token-file", _)) => format!("--token-file={}", token_file.display()),
+                Some(("--hub-ca-file", _)) => format!("--hub-ca-file={}", ca_file.display()),
+                Some(("--http-addr", _)) => format!("--http-addr={http}"),
+                Some(("--webhook-addr", _)) => format!("--webhook-addr={webhook}"),
+                _ => a,
+            })
+            .collect();
+        // Its identity: a token of the ServiceAccount the stream created.
+        let sa_token = run(
+            &kubectl(),
+            &[
+                "create",
+                "token",
+                "flotilla-agent",
+                "-n",
+                "flotilla-system",
+                "--duration=1h",
+            ],
+            &host,
+            None,
+        )?;
+        let mut kubeconfig: Value = serde_yaml::from_str(&std::fs::read_to_string(&host)?)?;
+        for user in kubeconfig["users"].as_array_mut().context("users")? {
+            user["user"] = json!({"token": sa_token.trim()});
+        }
+        let sa_kubeconfig = dir.join("kubeconfig.yaml");
+        std::fs::write(&sa_kubeconfig, serde_yaml::to_string(&kubeconfig)?)?;
+        let program = &f.components[&flotilla_e2e::federation::agent_name("cluster1")].program;
+        let mut cmd = std::process::Command::new(program);
+        cmd.args(&args)
+            .env("KUBECONFIG", &sa_kubeconfig)
+            .env("POD_NAMESPACE", "flotilla-system")
+            .env("FLOTILLA_LEADER_ELECT", "true");
+        let agent = env.spawn(&format!("agent-{NAME}"), &mut cmd)?;
+        let outcome = async {
+            flotilla_e2e::federation::wait_member_ready(
+                &host_client,
+                NAME,
+                true,
+                std::time::Duration::from_secs(60),
+            )
+            .await?;
+            let app = json!({
+                "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+                "metadata": {"name": "joined-app", "namespace": "default"},
+                "spec": {"placement": {"clusters": [{"name": NAME}]},
+                         "template": {"spec": {"replicas": 2, "image": "nginx:1.27"}}},
+            });
+            let fedapps: Api<flotilla_crds::FederatedMyApp> =
+                Api::namespaced(host_client.clone(), "default");
+            fedapps
+                .patch(
+                    "joined-app",
+                    &PatchParams::apply("e2e"),
+                    &Patch::Apply(&app),
+                )
+                .await?;
+            let myapps: Api<flotilla_crds::MyApp> = Api::namespaced(host_client.clone(), "default");
+            flotilla_e2e::wait_for(
+                std::time::Duration::from_secs(60),
+                "joined-app in the joined cluster",
+                || async {
+                    Ok(myapps
+                        .get_opt("joined-app")
+                        .await?
+                        .filter(|a| a.spec.replicas == Some(2)))
+                },
+            )
+            .await?;
+            let _ = fedapps.delete("joined-app", &DeleteParams::default()).await;
+            flotilla_e2e::wait_for(
+                std::time::Duration::from_secs(60),
+                "joined-app deleted everywhere",
+                || async {
+                    Ok((fedapps.get_opt("joined-app").await?.is_none()
+                        && myapps.get_opt("joined-app").await?.is_none())
+                    .then_some(()))
+                },
+            )
+            .await?;
+            anyhow::Ok(())
+        }
+        .await;
+        let stopped = agent.stop(std::time::Duration::from_secs(10));
+        let _ = flotilla_e2e::process::forget(&env.dir, &agent.name);
+        outcome?;
+        stopped
+    }
+    .await;
+    let removed = f.hub_cli()?.run(&["unjoin", NAME]);
+    // The stream pointed the host's MyApp CRD at an agent Service that has no Pods here.
+    let restore = match conversion_before.as_ref().map(|c| c.strategy.as_str()) {
+        Some("Webhook") => json!({"spec": {"conversion": conversion_before}}),
+        _ => json!({"spec": {"conversion": {"strategy": "None", "webhook": null}}}),
+    };
+    let restored = crds
+        .patch(
+            "myapps.app.example.com",
+            &PatchParams::default(),
+            &Patch::Merge(&restore),
+        )
+        .await;
+    result?;
+    removed?;
+    restored?;
+    Ok(())
+}
