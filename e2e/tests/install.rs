@@ -14,6 +14,9 @@ use flotilla_e2e::Env;
 use flotilla_e2e::federation::Federation;
 use flotilla_e2e::support::workspace_root;
 
+/// Both tests write to the host (its MyApp CRD, `flotilla-system`): one at a time.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn tools() -> PathBuf {
     let home = std::env::var_os("HOME")
         .map(PathBuf::from)
@@ -97,6 +100,7 @@ fn namespace(kubeconfig: &Path) -> Result<()> {
 
 #[tokio::test]
 async fn manifests_pass_a_server_side_dry_run() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
     let env = Env::load_ready().await?;
     let host = env.kubeconfig(env.host())?.to_path_buf();
     namespace(&host)?;
@@ -201,6 +205,7 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
     use serde_json::{Value, json};
 
     const NAME: &str = "joined-e2e";
+    let _one = ONE_AT_A_TIME.lock().await;
     let env = Env::load_ready().await?;
     let f = Federation::load(&env)?;
     let host = env.kubeconfig(env.host())?.to_path_buf();
