@@ -36,6 +36,34 @@ where
     }
 }
 
+/// Waits for an Event with `reason` about the object named `object` in `namespace`
+/// (where the hub records Events about cluster-scoped MemberClusters too: `default`).
+pub async fn wait_event(
+    client: &kube::Client,
+    namespace: &str,
+    object: &str,
+    reason: &str,
+    timeout: Duration,
+) -> Result<k8s_openapi::api::core::v1::Event> {
+    let events: kube::Api<k8s_openapi::api::core::v1::Event> =
+        kube::Api::namespaced(client.clone(), namespace);
+    let selector = format!("involvedObject.name={object}");
+    wait_for(
+        timeout,
+        &format!("a {reason} Event on {object}"),
+        || async {
+            let list = events
+                .list(&kube::api::ListParams::default().fields(&selector))
+                .await?;
+            Ok(list
+                .items
+                .into_iter()
+                .find(|e| e.reason.as_deref() == Some(reason)))
+        },
+    )
+    .await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -479,18 +479,8 @@ async fn a_mass_collection_waits_for_a_confirmation() -> Result<()> {
                 "the condition does not say what to confirm: {}",
                 blocked.message
             );
-            let events: Api<k8s_openapi::api::core::v1::Event> =
-                Api::namespaced(ctx.host.clone(), "default");
-            wait_for(CONVERGE, "a CollectionBlocked Event on cluster2", || async {
-                let list = events
-                    .list(&ListParams::default().fields("involvedObject.name=cluster2"))
-                    .await?;
-                Ok(list
-                    .items
-                    .into_iter()
-                    .find(|e| e.reason.as_deref() == Some("CollectionBlocked")))
-            })
-            .await?;
+            flotilla_e2e::wait_event(&ctx.host, "default", "cluster2", "CollectionBlocked", CONVERGE)
+                .await?;
             // Held back: nothing deleted while unconfirmed.
             tokio::time::sleep(Duration::from_secs(5)).await;
             for name in &leftovers {

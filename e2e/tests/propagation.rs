@@ -7,8 +7,7 @@ use std::time::Duration;
 use anyhow::Result;
 use flotilla_crds::{FederatedMyApp, MemberCluster, MyApp};
 use flotilla_e2e::{Env, wait_for};
-use k8s_openapi::api::core::v1::Event;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
@@ -307,17 +306,9 @@ async fn an_invalid_override_is_reported_for_its_cluster_only() -> Result<()> {
     );
     assert!(myapps(&c.c2).get_opt("bad-override").await?.is_none());
 
-    let events: Api<Event> = Api::namespaced(c.host.clone(), "default");
-    let event = wait_for(TIMEOUT, "a RenderFailed Event", || async {
-        let list = events
-            .list(&ListParams::default().fields("involvedObject.name=bad-override"))
+    let event =
+        flotilla_e2e::wait_event(&c.host, "default", "bad-override", "RenderFailed", TIMEOUT)
             .await?;
-        Ok(list
-            .items
-            .into_iter()
-            .find(|e| e.reason.as_deref() == Some("RenderFailed")))
-    })
-    .await?;
     assert!(
         event
             .message

@@ -135,7 +135,7 @@ pub async fn watch_members(
 
 /// Sends the cluster's agent a SyncComplete that confirms `confirmed` collections, then
 /// removes the annotation so that it cannot confirm a later, different mass deletion.
-/// Whether the confirmation reached the agent.
+/// Returns whether the confirmation reached the agent (it is connected).
 async fn confirm_collection(
     api: &Api<MemberCluster>,
     dispatcher: &Dispatcher,
