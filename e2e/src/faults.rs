@@ -1,7 +1,7 @@
 //! Faults to inject into a running environment: kill or stop the hub or an agent and start
 //! it again, replace the hub gracefully, stop and start a member's kube-apiserver, route an
-//! agent through a [`Proxy`] that can blackhole its link, and start a second agent with
-//! an existing agent's identity.
+//! agent through a [`Proxy`] that can blackhole its link, start a second agent with
+//! an existing agent's identity, and run a standby hub behind a [`LeaderService`].
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail};
 use nix::sys::signal::Signal;
 
 use crate::env::Env;
-use crate::federation::{Federation, HUB, Launch, agent_name};
+use crate::federation::{Federation, HUB, HUB_NAMESPACE, Launch, agent_name};
 use crate::process::{self, ProcessRecord};
 use crate::proxy::Proxy;
 use crate::support::free_addr;
@@ -167,16 +167,12 @@ pub fn start_component(env: &mut Env, stopped: &Component) -> Result<ProcessReco
 
 /// Restarts `cluster`'s agent with its link to the hub through a new [`Proxy`].
 pub async fn agent_through_proxy(env: &Env, f: &Federation, cluster: &str) -> Result<Proxy> {
-    let name = agent_name(cluster);
     let upstream = f
         .hub_grpc
         .strip_prefix("https://")
         .context("the hub's URL is https://")?;
     let proxy = Proxy::start(upstream).await?;
-    f.stop(env, &name)?;
-    let hub = format!("https://{}", proxy.addr);
-    f.start_variant(env, &name, &name, |l| l.set_arg("hub", Some(&hub)))?;
-    f.wait_ready(&name).await?;
+    agent_via(env, f, cluster, &proxy.addr.to_string()).await?;
     Ok(proxy)
 }
 
@@ -210,4 +206,81 @@ pub async fn start_twin(
         return Err(e);
     }
     Ok((p, launch))
+}
+
+/// The second hub's name, as a process and in the Lease.
+pub const STANDBY_HUB: &str = "flotilla-hub-b";
+
+/// Starts a second hub beside the environment's, as deploy/hub's second replica runs:
+/// the same ServiceAccount, TLS and flags, its own ports and Lease identity. Returns
+/// once it serves `/healthz` (with the Lease held by the first hub, it stands by).
+pub async fn start_standby_hub(env: &Env, f: &Federation) -> Result<(ProcessRecord, Launch)> {
+    let (grpc, http) = (free_addr()?, free_addr()?);
+    let (p, launch) = f.start_variant(env, HUB, STANDBY_HUB, |l| {
+        l.http = http.clone();
+        l.set_arg("grpc-addr", Some(&grpc));
+        l.set_arg("http-addr", Some(&http));
+        l.set_arg("leader-identity", Some(STANDBY_HUB));
+    })?;
+    if let Err(e) = crate::federation::wait_http_ok(STANDBY_HUB, &launch.http, "/healthz").await {
+        let _ = p.stop(Duration::from_secs(10));
+        let _ = process::forget(&env.dir, STANDBY_HUB);
+        return Err(e);
+    }
+    Ok((p, launch))
+}
+
+/// Who holds the hub's Lease now: the identity before the campaign number.
+pub async fn hub_leader(host: &kube::Client) -> Result<Option<String>> {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let leases: kube::Api<Lease> = kube::Api::namespaced(host.clone(), HUB_NAMESPACE);
+    let holder = leases
+        .get_opt(HUB)
+        .await?
+        .and_then(|l| l.spec?.holder_identity);
+    Ok(holder.map(|h| h.split('/').next().unwrap_or_default().to_string()))
+}
+
+/// What the hub's Service does in a cluster (it selects the Pod labelled
+/// `flotilla.io/leader=true`, which the leader sets): a [`Proxy`] whose new connections
+/// go to the hub holding the Lease, looked up every 100 ms.
+pub struct LeaderService {
+    pub proxy: Proxy,
+    follow: tokio::task::JoinHandle<()>,
+}
+
+impl LeaderService {
+    /// `hubs`: each hub's Lease identity and gRPC `host:port`.
+    pub async fn start(env: &Env, hubs: Vec<(String, String)>) -> Result<LeaderService> {
+        let host = env.client(env.host()).await?;
+        let first = hubs.first().context("at least one hub")?.1.clone();
+        let proxy = Proxy::start(&first).await?;
+        let upstream = proxy.upstream();
+        let follow = tokio::spawn(async move {
+            loop {
+                if let Ok(Some(leader)) = hub_leader(&host).await
+                    && let Some((_, addr)) = hubs.iter().find(|(id, _)| *id == leader)
+                {
+                    upstream.send_replace(addr.clone());
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        Ok(LeaderService { proxy, follow })
+    }
+}
+
+impl Drop for LeaderService {
+    fn drop(&mut self) {
+        self.follow.abort();
+    }
+}
+
+/// Restarts `cluster`'s agent dialing `hub` (`host:port`) instead of the hub.
+pub async fn agent_via(env: &Env, f: &Federation, cluster: &str, hub: &str) -> Result<()> {
+    let name = agent_name(cluster);
+    f.stop(env, &name)?;
+    let hub = format!("https://{hub}");
+    f.start_variant(env, &name, &name, |l| l.set_arg("hub", Some(&hub)))?;
+    f.wait_ready(&name).await
 }

@@ -33,6 +33,9 @@ pub const CAPACITY_INTERVAL: Duration = Duration::from_secs(2);
 /// The MemberCluster label members are joined with, for spread tests.
 pub const REGION: &str = "topology.kubernetes.io/region";
 
+/// Where deploy/hub installs the hub: its ServiceAccount, RBAC and Lease.
+pub const HUB_NAMESPACE: &str = "flotilla-system";
+
 /// cluster2 is alone in `us`; the others are in `eu`.
 pub fn region_of(member: &str) -> &'static str {
     if member == "cluster2" { "us" } else { "eu" }
@@ -121,12 +124,12 @@ impl Federation {
         })
     }
 
-    /// The hub's admin CLI against the host.
-    pub fn hub_cli(&self) -> Result<HubCli> {
-        let hub = self.launch(HUB)?;
+    /// The hub's admin CLI against the host, as the host's administrator (the hub
+    /// itself runs as its ServiceAccount, which may not join clusters).
+    pub fn hub_cli(&self, env: &Env) -> Result<HubCli> {
         Ok(HubCli {
-            program: hub.program.clone(),
-            kubeconfig: hub.kubeconfig.clone(),
+            program: self.launch(HUB)?.program.clone(),
+            kubeconfig: env.kubeconfig(env.host())?.to_path_buf(),
         })
     }
 
@@ -274,6 +277,60 @@ pub async fn wait_http_ok(name: &str, http: &str, path: &str) -> Result<()> {
 
 /// Starts the hub and one agent per member unless they already run; returns when every
 /// MemberCluster is Ready.
+/// The hub's identity on the host as deploy/hub gives it: applies that kustomization's
+/// Namespace and RBAC, and writes a kubeconfig (in `dir`) with a token of its
+/// ServiceAccount, so that the hub runs with exactly those permissions.
+fn hub_identity(host_kubeconfig: &Path, dir: &Path) -> Result<PathBuf> {
+    let deploy = crate::support::workspace_root().join("deploy/hub");
+    for file in ["namespace.yaml", "rbac.yaml"] {
+        let path = deploy.join(file);
+        kubectl(host_kubeconfig, &["apply", "-f", &path.to_string_lossy()])?;
+    }
+    // A year: the environment may stay up long after the tests (`up`, `demo`).
+    let token = kubectl(
+        host_kubeconfig,
+        &[
+            "create",
+            "token",
+            HUB,
+            "-n",
+            HUB_NAMESPACE,
+            "--duration=8760h",
+        ],
+    )?;
+    let mut kubeconfig: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(host_kubeconfig)?)
+            .with_context(|| format!("parsing {}", host_kubeconfig.display()))?;
+    let users = kubeconfig
+        .get_mut("users")
+        .and_then(|u| u.as_sequence_mut())
+        .with_context(|| format!("{} has no users", host_kubeconfig.display()))?;
+    for user in users {
+        user["user"] = serde_yaml::from_str(&format!("{{token: {}}}", token.trim()))?;
+    }
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join("hub.kubeconfig");
+    std::fs::write(&path, serde_yaml::to_string(&kubeconfig)?)?;
+    Ok(path)
+}
+
+/// `kubectl ARGS` against `kubeconfig`; its stdout, or an error with its stderr.
+fn kubectl(kubeconfig: &Path, args: &[&str]) -> Result<String> {
+    let out = Command::new("kubectl")
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .output()
+        .context("running kubectl (is it on PATH?)")?;
+    if !out.status.success() {
+        bail!(
+            "`kubectl {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 pub async fn up(env: &Env) -> Result<Federation> {
     if let Ok(existing) = Federation::load(env) {
         // Components a test left stopped start again as they were: the clusters are
@@ -304,6 +361,7 @@ pub async fn up(env: &Env) -> Result<Federation> {
         kubeconfig: host_kubeconfig.clone(),
     };
     cli.certs(&tls)?;
+    let hub_kubeconfig = hub_identity(&host_kubeconfig, &dir)?;
     let grpc = free_addr()?;
     let mut components = BTreeMap::new();
     let hub_http = free_addr()?;
@@ -318,8 +376,12 @@ pub async fn up(env: &Env) -> Result<Federation> {
                 format!("--tls-cert={}", tls.join("tls.crt").display()),
                 format!("--tls-key={}", tls.join("tls.key").display()),
                 format!("--heartbeat-grace={}s", HEARTBEAT_GRACE.as_secs()),
+                // Elected, as deploy/hub runs it; the name is the Pod name in a cluster.
+                "--leader-elect".into(),
+                format!("--leader-identity={HUB}"),
+                format!("--lease-namespace={HUB_NAMESPACE}"),
             ],
-            kubeconfig: host_kubeconfig,
+            kubeconfig: hub_kubeconfig,
             http: hub_http,
         },
     );

@@ -1,7 +1,9 @@
 //! A TCP proxy for the fault suite: it sits between an agent and the hub and can
 //! blackhole the link on demand. Blackholed, it stops moving bytes both ways (they wait,
 //! as on a cut link, and TCP's own backpressure stops the senders) and lets new
-//! connections in without reaching the hub; healed, everything flows again.
+//! connections in without reaching the hub; healed, everything flows again. It can also
+//! be pointed at another upstream, for new connections, as a Service follows its
+//! endpoints.
 
 use std::net::SocketAddr;
 
@@ -17,6 +19,8 @@ pub struct Proxy {
     pub addr: SocketAddr,
     /// `true` while bytes flow.
     open: watch::Sender<bool>,
+    /// Where new connections go.
+    upstream: watch::Sender<String>,
     task: JoinHandle<()>,
 }
 
@@ -29,15 +33,31 @@ impl Proxy {
         let addr = listener.local_addr()?;
         let (open, _) = watch::channel(true);
         let rx = open.subscribe();
-        let upstream = upstream.to_string();
+        let (upstream, to) = watch::channel(upstream.to_string());
         let task = tokio::spawn(async move {
             // Dropped with the accept loop, so aborting it ends every connection too.
             let mut conns = JoinSet::new();
             while let Ok((client, _)) = listener.accept().await {
-                conns.spawn(relay(client, upstream.clone(), rx.clone()));
+                let to = to.borrow().clone();
+                conns.spawn(relay(client, to, rx.clone()));
             }
         });
-        Ok(Proxy { addr, open, task })
+        Ok(Proxy {
+            addr,
+            open,
+            upstream,
+            task,
+        })
+    }
+
+    /// Sends new connections to `upstream`; those already open stay where they are.
+    pub fn retarget(&self, upstream: &str) {
+        self.upstream.send_replace(upstream.to_string());
+    }
+
+    /// The upstream's handle, for a task that keeps retargeting the proxy.
+    pub fn upstream(&self) -> watch::Sender<String> {
+        self.upstream.clone()
     }
 
     /// Stops moving bytes.
@@ -172,6 +192,47 @@ mod tests {
                 .await
                 .unwrap(),
             b"three"
+        );
+    }
+
+    /// A server that greets every connection with `name`, then echoes.
+    async fn named_server(name: &'static [u8]) -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                tokio::spawn(async move {
+                    s.write_all(name).await.unwrap();
+                    let (mut r, mut w) = s.split();
+                    let _ = tokio::io::copy(&mut r, &mut w).await;
+                });
+            }
+        });
+        addr
+    }
+
+    async fn greeting(s: &mut TcpStream) -> Vec<u8> {
+        let mut got = vec![0; 3];
+        tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got))
+            .await
+            .unwrap()
+            .unwrap();
+        got
+    }
+
+    #[tokio::test]
+    async fn new_connections_follow_a_retarget_and_old_ones_stay() {
+        let (one, two) = (named_server(b"one").await, named_server(b"two").await);
+        let proxy = Proxy::start(&one.to_string()).await.unwrap();
+        let mut old = TcpStream::connect(proxy.addr).await.unwrap();
+        assert_eq!(greeting(&mut old).await, b"one");
+        proxy.retarget(&two.to_string());
+        let mut new = TcpStream::connect(proxy.addr).await.unwrap();
+        assert_eq!(greeting(&mut new).await, b"two");
+        let within = Duration::from_secs(5);
+        assert_eq!(
+            roundtrip(&mut old, b"still", within).await.unwrap(),
+            b"still"
         );
     }
 

@@ -613,7 +613,7 @@ async fn a_rotated_token_changes_nothing_but_the_credential() -> Result<()> {
             let log = DeletionLog::start(&ctx.env).await?;
             let start = Instant::now();
             let token = &ctx.f.tokens["cluster1"];
-            ctx.f.hub_cli()?.run(&[
+            ctx.f.hub_cli(&ctx.env)?.run(&[
                 "join",
                 "cluster1",
                 "--rotate",
@@ -639,6 +639,101 @@ async fn a_rotated_token_changes_nothing_but_the_credential() -> Result<()> {
         }
         .await;
         (ctx, r)
+    })
+    .await
+}
+
+/// Two hubs, elected, behind what stands in for their Service (new connections go to the
+/// Lease holder): the leader is SIGKILLed, every app changes during the failover, the
+/// standby leads within 10 s, the agents follow it, everything converges and nothing is
+/// deleted.
+#[tokio::test]
+async fn the_standby_hub_takes_over_when_the_leader_is_sigkilled() -> Result<()> {
+    run("fault-hub-failover", |ctx| async move {
+        let members: Vec<String> = ctx.env.members().iter().map(|m| m.to_string()).collect();
+        let mut standby = None;
+        let r = async {
+            let (hub_b, launch) = faults::start_standby_hub(&ctx.env, &ctx.f).await?;
+            standby = Some(hub_b);
+            let grpc = |l: &federation::Launch| {
+                l.arg("grpc-addr").map(str::to_owned).context("--grpc-addr")
+            };
+            let service = faults::LeaderService::start(
+                &ctx.env,
+                vec![
+                    (HUB.into(), grpc(ctx.f.launch(HUB)?)?),
+                    (faults::STANDBY_HUB.into(), grpc(&launch)?),
+                ],
+            )
+            .await?;
+            ensure!(
+                faults::hub_leader(&ctx.host).await?.as_deref() == Some(HUB),
+                "the environment's hub should lead before the fault"
+            );
+            for m in &members {
+                faults::agent_via(&ctx.env, &ctx.f, m, &service.proxy.addr.to_string()).await?;
+            }
+            converge::wait_converged(&ctx.env, CONVERGE).await?;
+
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            faults::sigkill(&ctx.env, &ctx.f, HUB)?;
+            for i in 0..APPS {
+                ctx.apply(i, 4).await?;
+            }
+            wait_for(
+                Duration::from_secs(30),
+                "the standby hub to lead",
+                || async {
+                    let leader = faults::hub_leader(&ctx.host).await?;
+                    Ok((leader.as_deref() == Some(faults::STANDBY_HUB)).then_some(()))
+                },
+            )
+            .await?;
+            let took = start.elapsed();
+            println!(
+                "fault hub-failover: the standby leads {:.1}s after the SIGKILL",
+                took.as_secs_f64()
+            );
+            ensure!(
+                took < Duration::from_secs(10),
+                "the standby took {took:?} to lead (the bound is 10 s)"
+            );
+            // The agents reach the new leader: it completed a sync with each.
+            wait_for(
+                CONVERGE,
+                "every agent synced with the new leader",
+                || async {
+                    let metrics = flotilla_e2e::support::http_get(&launch.http, "/metrics")
+                        .await?
+                        .1;
+                    Ok(members
+                        .iter()
+                        .all(|m| hub_syncs(&metrics, m) >= 1.0)
+                        .then_some(()))
+                },
+            )
+            .await?;
+            verdict(&ctx, "hub-failover", &log, start).await
+        }
+        .await;
+        // Back to one hub: the standby hands its Lease back as it stops, the
+        // environment's hub starts and the agents dial it again.
+        let back = async {
+            if let Some(p) = standby {
+                p.stop(Duration::from_secs(15))?;
+                process::forget(&ctx.env.dir, faults::STANDBY_HUB)?;
+            }
+            if !ctx.f.process(&ctx.env, HUB).is_ok_and(|p| p.alive()) {
+                faults::start(&ctx.env, &ctx.f, HUB).await?;
+            }
+            for m in &members {
+                faults::agent_direct(&ctx.env, &ctx.f, m).await?;
+            }
+            anyhow::Ok(())
+        }
+        .await;
+        (ctx, r.and(back))
     })
     .await
 }

@@ -170,7 +170,7 @@ async fn manifests_pass_a_server_side_dry_run() -> Result<()> {
     // points it at that same Service).
     let f = Federation::load(&env)?;
     let file = env.dir.join("federation").join("dry-run-join.yaml");
-    f.hub_cli()?.run(&[
+    f.hub_cli(&env)?.run(&[
         "join",
         "dry-run-e2e",
         "--hub-address",
@@ -182,7 +182,7 @@ async fn manifests_pass_a_server_side_dry_run() -> Result<()> {
     ])?;
     let install = std::fs::read(&file)?;
     let joined = dry_run(&host, "the join output", &install);
-    let removed = f.hub_cli()?.run(&["unjoin", "dry-run-e2e"]);
+    let removed = f.hub_cli(&env)?.run(&["unjoin", "dry-run-e2e"]);
     let _ = std::fs::remove_file(&file);
     let joined = joined?;
     removed?;
@@ -214,7 +214,7 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
     std::fs::create_dir_all(&dir)?;
     let file = dir.join("install.yaml");
     let grpc = f.hub_grpc.trim_start_matches("https://").to_owned();
-    f.hub_cli()?.run(&[
+    f.hub_cli(&env)?.run(&[
         "join",
         NAME,
         "--hub-address",
@@ -360,7 +360,7 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
         stopped
     }
     .await;
-    let removed = f.hub_cli()?.run(&["unjoin", NAME]);
+    let removed = f.hub_cli(&env)?.run(&["unjoin", NAME]);
     // The stream pointed the host's MyApp CRD at an agent Service that has no Pods here.
     let restore = match conversion_before.as_ref().map(|c| c.strategy.as_str()) {
         Some("Webhook") => json!({"spec": {"conversion": conversion_before}}),

@@ -258,6 +258,7 @@ async fn myapp_becomes_ready_with_all_replicas() {
     .await;
     let app = f.ready("web", 3).await;
     let status = app.status.unwrap();
+    assert_eq!(condition(&status, "Ready"), ("True", "Ready"));
     assert_eq!(condition(&status, "Available").0, "True");
     assert_eq!(condition(&status, "Degraded"), ("False", "AsExpected"));
 
@@ -599,6 +600,7 @@ async fn a_myapp_without_image_is_degraded_not_deployed() {
     .unwrap();
     assert!(!status.ready);
     assert_eq!(condition(&status, "Degraded"), ("True", "ImageMissing"));
+    assert_eq!(condition(&status, "Ready"), ("False", "ImageMissing"));
     assert!(
         f.api::<Deployment>()
             .get_opt("seed-deploy")
@@ -629,6 +631,66 @@ async fn a_myapp_without_image_is_degraded_not_deployed() {
     .await
     .unwrap();
     f.ready("seed", 3).await;
+}
+
+/// The seed's `HighReconciliationErrorRate` fires above 0.1 errors/s over 5 minutes: one
+/// MyApp whose children the apiserver rejects must count more than that on its own,
+/// and say why on the MyApp.
+#[tokio::test]
+async fn one_myapp_the_apiserver_rejects_counts_errors_above_the_alert_rate() {
+    let f = Fixture::start("stuck").await;
+    let federation = Federation::load(&f.env).unwrap();
+    let agent = agent_name(&f.member);
+    let errors = || async {
+        let metrics = federation.metrics(&agent).await.unwrap();
+        flotilla_e2e::support::sample(
+            &metrics,
+            r#"controller_runtime_reconcile_errors_total{controller="myapp",error="invalid_spec"}"#,
+        )
+    };
+    // Both 0 is valid for the CRD's schema, but not for a Deployment.
+    f.create(
+        "stuck",
+        json!({"replicas": 2, "image": "nginx:1.27",
+               "strategy": {"maxSurge": 0, "maxUnavailable": 0}}),
+    )
+    .await;
+    let api = f.api::<MyApp>();
+    let status = wait_for(TIMEOUT, "the InvalidSpec condition", || async {
+        let status = api.get("stuck").await?.status.unwrap_or_default();
+        Ok(status
+            .conditions
+            .iter()
+            .any(|c| c.reason == "InvalidSpec")
+            .then_some(status))
+    })
+    .await
+    .unwrap();
+    assert_eq!(condition(&status, "Ready"), ("False", "InvalidSpec"));
+    assert_eq!(condition(&status, "Degraded"), ("True", "InvalidSpec"));
+
+    let window = Duration::from_secs(30);
+    let before = errors().await;
+    tokio::time::sleep(window).await;
+    let rate = (errors().await - before) / window.as_secs_f64();
+    println!("one stuck MyApp: {rate:.3} reconcile errors/s");
+    assert!(
+        rate > 0.1,
+        "{rate:.3} errors/s: the seed's alert would not fire"
+    );
+
+    // Fixed, it stops counting.
+    api.patch(
+        "stuck",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"strategy": {"maxSurge": 1}}})),
+    )
+    .await
+    .unwrap();
+    f.ready("stuck", 2).await;
+    let settled = errors().await;
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(errors().await, settled, "a fixed MyApp still counts errors");
 }
 
 /// The agent's identity from `deploy/base/rbac.yaml`.

@@ -143,7 +143,7 @@ async fn restarts_resend_nothing_and_credentials_bind_one_cluster() -> Result<()
     // A revoked credential is refused.
     let dir = env.dir.join("federation");
     let token_file = dir.join("revoked-e2e.token");
-    let cli = f.hub_cli()?;
+    let cli = f.hub_cli(&env)?;
     cli.join("revoked-e2e", &[], &token_file)?;
     let token = std::fs::read_to_string(&token_file)?;
     let messages = wait_for(TIMEOUT, "the joined credential accepted", || async {

@@ -227,7 +227,7 @@ async fn spread_over_two_regions_and_cordon_keep_their_promises() -> Result<()> 
     c.delete("sched-spread").await?;
 
     // Cordon cluster1: a new app gets nothing there; uncordon: it gets its share.
-    let hub = Federation::load(&c.env)?.hub_cli()?;
+    let hub = Federation::load(&c.env)?.hub_cli(&c.env)?;
     hub.run(&["cordon", "cluster1"])?;
     let cordoned = async {
         wait_for(TIMEOUT, "cluster1 cordoned in the hub", || async {

@@ -39,7 +39,7 @@ async fn still_serving(f: &Federation, token: &str, after: &str) -> Result<()> {
 async fn bad_wire_input_is_refused_and_the_hub_keeps_serving() -> Result<()> {
     let env = Env::load_ready().await?;
     let f = Federation::load(&env)?;
-    let cli = f.hub_cli()?;
+    let cli = f.hub_cli(&env)?;
     let token_file = env.dir.join("federation").join(format!("{CLUSTER}.token"));
     cli.join(CLUSTER, &[], &token_file)?;
     let token = std::fs::read_to_string(&token_file)?.trim().to_owned();

@@ -41,6 +41,8 @@ pub const FINALIZER: &str = "core.kubefed.io/flotilla-hub";
 pub const CONTROLLER: &str = "federatedmyapp";
 /// How often a deletion waiting for agents' confirmations is looked at again.
 const DELETION_RECHECK: Duration = Duration::from_secs(1);
+/// Retry delay after a failed reconcile (apiserver unreachable, a conflict).
+const RETRY: Duration = Duration::from_secs(5);
 /// How often a standby looks at an app again, so that it takes over within this long
 /// once it leads.
 const STANDBY_RECHECK: Duration = Duration::from_secs(2);
@@ -289,16 +291,28 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let on_delete = ctx.clone();
-    let events = watched(events, move |app| deleted(app, &on_delete));
+    let queue = ctx.metrics.queue(CONTROLLER);
+    let events = watched(events, move |app| deleted(app, &on_delete)).inspect_ok({
+        let queue = queue.clone();
+        move |app| queue.triggered(key_of(app).to_string())
+    });
     Controller::for_stream(events, ctx.apps.clone())
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(reconcile, error_policy, ctx)
-        .for_each(|result| async move {
-            // The watch retries with backoff; say why it had to. Reconcile failures
-            // were logged by the error policy.
-            if let Err(e @ kube::runtime::controller::Error::QueueError(_)) = result {
-                warn!(error = %e, "watching FederatedMyApps")
+        .for_each(|result| {
+            match result {
+                // The watch retries with backoff; say why it had to. Reconcile failures
+                // were logged by the error policy.
+                Err(e @ kube::runtime::controller::Error::QueueError(_)) => {
+                    warn!(error = %e, "watching FederatedMyApps")
+                }
+                // Due, but deleted meanwhile: no reconcile starts to take it off the queue.
+                Err(kube::runtime::controller::Error::ObjectNotFound(obj)) => queue.dequeued(
+                    &AppKey::new(obj.namespace.unwrap_or_default(), obj.name).to_string(),
+                ),
+                _ => {}
             }
+            std::future::ready(())
         })
         .await;
     if shutdown.is_cancelled() {
@@ -333,19 +347,27 @@ fn deleted(app: &FederatedMyApp, ctx: &Context) {
 }
 
 pub async fn reconcile(app: Arc<FederatedMyApp>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let mut timer = ctx.metrics.reconcile(CONTROLLER);
+    let key = key_of(&app).to_string();
+    let mut timer = ctx.metrics.reconcile(CONTROLLER, &key);
     let result = reconcile_app(&app, &ctx).await;
     match &result {
         Ok(_) => timer.succeeded(),
         Err(e) => timer.failed(e.kind()),
     }
-    result
+    Ok(match result? {
+        Some(after) => {
+            ctx.metrics.queue(CONTROLLER).requeued(key, after);
+            Action::requeue(after)
+        }
+        None => Action::await_change(),
+    })
 }
 
 // The finalizer is handled here rather than with `kube::runtime::finalizer`: that helper
 // removes the finalizer whenever cleanup returns Ok, so waiting for agents to confirm
 // would have to be reported as a reconcile error, which feeds the error-rate alert.
-async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Error> {
+/// Returns when to look again, if the app wants another look without a change.
+async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Option<Duration>, Error> {
     let mut planned = ctx.planned.clone();
     planned
         .wait_for(|p| *p)
@@ -358,13 +380,13 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
     let leading = *ctx.leading.borrow();
     if app.metadata.deletion_timestamp.is_some() {
         if !has_finalizer {
-            return Ok(Action::await_change());
+            return Ok(None);
         }
         let plan = index_deletion(app, &members, ctx);
         let waiting = !plan.deleting_on.as_ref().is_some_and(Vec::is_empty);
         ctx.status.set_plan(&key, plan);
         if waiting || !leading {
-            return Ok(Action::requeue(DELETION_RECHECK));
+            return Ok(Some(DELETION_RECHECK));
         }
         let rest = app
             .finalizers()
@@ -376,12 +398,12 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
         ctx.dispatcher.forget(&key);
         ctx.status.forget(&key);
         info!(app = %key, "deleted from (or released by) every member cluster");
-        return Ok(Action::await_change());
+        return Ok(None);
     }
     if !leading {
         // Warm: planned like on the leader, written by nobody.
         ctx.status.set_plan(&key, index_app(app, &members, ctx));
-        return Ok(Action::requeue(STANDBY_RECHECK));
+        return Ok(Some(STANDBY_RECHECK));
     }
     if !has_finalizer {
         let mut finalizers = app.finalizers().to_vec();
@@ -416,7 +438,7 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Action, Er
                 .await;
         }
     }
-    Ok(recheck.map_or_else(Action::await_change, Action::requeue))
+    Ok(recheck)
 }
 
 /// Replaces the finalizer list, guarded by the resourceVersion it was computed from.
@@ -455,9 +477,13 @@ impl Context {
     }
 }
 
-pub fn error_policy(app: Arc<FederatedMyApp>, error: &Error, _ctx: Arc<Context>) -> Action {
-    warn!(app = %key_of(&app), %error, "reconcile failed; retrying");
-    Action::requeue(Duration::from_secs(5))
+pub fn error_policy(app: Arc<FederatedMyApp>, error: &Error, ctx: Arc<Context>) -> Action {
+    let key = key_of(&app);
+    warn!(app = %key, %error, "reconcile failed; retrying");
+    ctx.metrics
+        .queue(CONTROLLER)
+        .requeued(key.to_string(), RETRY);
+    Action::requeue(RETRY)
 }
 
 #[cfg(test)]

@@ -18,12 +18,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_crds::MyApp;
-use futures::StreamExt;
 use futures::future::join_all;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Patch, PatchParams};
+use kube::api::{PartialObjectMeta, Patch, PatchParams};
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, predicates, reflector, watcher};
@@ -36,14 +36,16 @@ use tracing::{debug, info, warn};
 use children::{BuildError, MANAGED_BY, MANAGED_BY_LABEL};
 use flotilla_common::http::Gate;
 use flotilla_common::listed;
-use flotilla_common::metrics::Metrics;
+use flotilla_common::metrics::{Metrics, WorkQueue};
 use status::Problem;
 
 /// The `controller` label of the metrics and the reporting controller of Events.
 pub const CONTROLLER: &str = "myapp";
 pub const FIELD_MANAGER: &str = "flotilla-operator";
-/// Retry delay after a transient failure (apiserver unreachable, conflict, ...).
-const RETRY: Duration = Duration::from_secs(15);
+/// Retry delay after a failure: transient (apiserver unreachable, conflict, ...) or a
+/// spec the apiserver rejects. Under 10 s, so that one stuck MyApp alone counts more than
+/// the 0.1 errors/s of the seed's `HighReconciliationErrorRate` alert.
+const RETRY: Duration = Duration::from_secs(5);
 
 /// Which namespaces the operator watches.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -156,25 +158,53 @@ pub async fn run_operator(
             .default_backoff(),
         );
         listings.push(listed);
+        let queue = ctx.metrics.queue(CONTROLLER);
         let apps = apps
             .applied_objects()
-            .predicate_filter(predicates::generation, Default::default());
+            .predicate_filter(predicates::generation, Default::default())
+            .inspect_ok({
+                let queue = queue.clone();
+                move |app| queue.triggered(app_key(app.namespace(), &app.name_any()))
+            });
         let owned = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"));
+        // A change to a child queues its MyApp, as `owns` would; watched here to be seen.
+        let (q1, q2) = (queue.clone(), queue.clone());
         let controller = Controller::for_stream(apps, reader)
-            .owns(api::<Deployment>(&client, scope.as_deref()), owned.clone())
-            .owns(api::<ConfigMap>(&client, scope.as_deref()), owned)
+            .owns_stream(
+                watcher(
+                    api::<PartialObjectMeta<Deployment>>(&client, scope.as_deref()),
+                    owned.clone(),
+                )
+                .default_backoff()
+                .touched_objects()
+                .inspect_ok(move |d| queue_owner(&q1, d)),
+            )
+            .owns_stream(
+                watcher(
+                    api::<PartialObjectMeta<ConfigMap>>(&client, scope.as_deref()),
+                    owned,
+                )
+                .default_backoff()
+                .touched_objects()
+                .inspect_ok(move |c| queue_owner(&q2, c)),
+            )
             .with_config(controller::Config::default().concurrency(config.concurrency))
             .graceful_shutdown_on(shutdown.clone().cancelled_owned())
             .run(reconcile, error_policy, ctx.clone())
-            .for_each(|result| async move {
+            .for_each(move |result| {
                 match result {
                     Ok((app, _)) => {
                         debug!(namespace = app.namespace, name = app.name, "reconciled")
                     }
                     // Reconcile failures were logged by the error policy.
                     Err(controller::Error::ReconcilerFailed(..)) => {}
+                    // Due, but deleted meanwhile: no reconcile starts to take it off the queue.
+                    Err(controller::Error::ObjectNotFound(app)) => {
+                        queue.dequeued(&app_key(app.namespace.clone(), &app.name))
+                    }
                     Err(e) => debug!(error = %e, "controller"),
                 }
+                std::future::ready(())
             });
         controllers.push(controller);
     }
@@ -203,10 +233,40 @@ where
     }
 }
 
+/// How a reconcile that ran to its end left the MyApp.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Settled {
+    /// As specified, or waiting on the user without failing (no image yet).
+    Synced,
+    /// The apiserver rejects a child built from the spec: counted as a reconcile error
+    /// and retried, so that the error-rate alert sees a MyApp stuck this way.
+    Rejected,
+    /// Deleted meanwhile.
+    Gone,
+}
+
+/// The work queue's key of a MyApp.
+fn app_key(namespace: Option<String>, name: &str) -> String {
+    format!("{}/{name}", namespace.unwrap_or_default())
+}
+
+/// Queues the MyApp that controls `child`, by the owner reference the operator puts on it.
+fn queue_owner<K: Resource>(queue: &WorkQueue, child: &K) {
+    let owner = child
+        .owner_references()
+        .iter()
+        .find(|o| o.controller == Some(true) && o.kind == "MyApp");
+    if let Some(owner) = owner {
+        queue.triggered(app_key(child.namespace(), &owner.name));
+    }
+}
+
 async fn reconcile(app: Arc<MyApp>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let mut timer = ctx.metrics.reconcile(CONTROLLER);
+    let key = app_key(app.namespace(), &app.name_any());
+    let mut timer = ctx.metrics.reconcile(CONTROLLER, &key);
     let result = reconcile_app(&app, &ctx).await;
     match &result {
+        Ok(Settled::Rejected) => timer.failed("invalid_spec"),
         Ok(_) => timer.succeeded(),
         Err(e) => timer.failed(e.kind()),
     }
@@ -220,19 +280,27 @@ async fn reconcile(app: Arc<MyApp>, ctx: Arc<Context>) -> Result<Action, Error> 
         )
         .await;
     }
-    result
+    let after = match result? {
+        Settled::Synced => ctx.resync,
+        Settled::Rejected => RETRY,
+        Settled::Gone => return Ok(Action::await_change()),
+    };
+    ctx.metrics.queue(CONTROLLER).requeued(key, after);
+    Ok(Action::requeue(after))
 }
 
-fn error_policy(app: Arc<MyApp>, error: &Error, _ctx: Arc<Context>) -> Action {
+fn error_policy(app: Arc<MyApp>, error: &Error, ctx: Arc<Context>) -> Action {
     warn!(namespace = app.namespace(), name = app.name_any(), error = %error, "reconcile failed; retrying");
+    let key = app_key(app.namespace(), &app.name_any());
+    ctx.metrics.queue(CONTROLLER).requeued(key, RETRY);
     Action::requeue(RETRY)
 }
 
 #[tracing::instrument(skip_all, fields(namespace = app.namespace(), name = app.name_any()))]
-async fn reconcile_app(app: &MyApp, ctx: &Context) -> Result<Action, Error> {
+async fn reconcile_app(app: &MyApp, ctx: &Context) -> Result<Settled, Error> {
     if app.metadata.deletion_timestamp.is_some() {
         // The garbage collector removes the children through their owner references.
-        return Ok(Action::await_change());
+        return Ok(Settled::Gone);
     }
     let namespace = app.namespace().ok_or(BuildError::Unnamed)?;
     let config_map = children::config_map(app)?;
@@ -313,11 +381,14 @@ async fn reconcile_app(app: &MyApp, ctx: &Context) -> Result<Action, Error> {
                 "status written"
             ),
             // Deleted meanwhile: nothing left to report on.
-            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Action::await_change()),
+            Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Settled::Gone),
             Err(e) => return Err(Error::Status(e)),
         }
     }
-    Ok(Action::requeue(ctx.resync))
+    Ok(match problem {
+        Some(Problem::InvalidSpec(_)) => Settled::Rejected,
+        Some(Problem::ImageMissing) | None => Settled::Synced,
+    })
 }
 
 /// What a server-side apply did to the object.
@@ -353,8 +424,8 @@ where
 }
 
 /// A rejection of the object itself (4xx other than conflicts and throttling) is the
-/// spec's problem, reported on the MyApp and retried on its next change; anything else
-/// is transient and retried soon.
+/// spec's problem, reported on the MyApp and retried until the spec changes; anything
+/// else is transient and retried soon.
 fn rejected(e: kube::Error) -> Result<Option<Problem>, kube::Error> {
     match &e {
         kube::Error::Api(s) if matches!(s.code, 400 | 422) => {

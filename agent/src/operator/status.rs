@@ -9,6 +9,9 @@ use k8s_openapi::jiff::Timestamp;
 pub const AVAILABLE: &str = "Available";
 pub const PROGRESSING: &str = "Progressing";
 pub const DEGRADED: &str = "Degraded";
+/// The summary condition tools such as kstatus and `kubectl wait --for=condition=Ready`
+/// read; it agrees with `status.ready`.
+pub const READY: &str = "Ready";
 
 /// Longest condition message written; apiserver errors can be long.
 const MAX_MESSAGE: usize = 1024;
@@ -20,7 +23,8 @@ pub enum Problem {
     /// `spec.image` is absent: no Deployment is created (an existing one is left as is).
     ImageMissing,
     /// The apiserver rejected a child built from the spec (e.g. a name too long for a
-    /// label, `maxSurge` and `maxUnavailable` both 0). Retried when the spec changes.
+    /// label, `maxSurge` and `maxUnavailable` both 0). Counted as a reconcile error and
+    /// retried every few seconds until the apiserver accepts it.
     InvalidSpec(String),
 }
 
@@ -159,6 +163,30 @@ fn degraded(deployment: Option<&Deployment>, problem: Option<&Problem>) -> Cond 
     cond(DEGRADED, "False", "AsExpected", "")
 }
 
+fn ready(deployment: Option<&Deployment>, problem: Option<&Problem>) -> Cond {
+    match (deployment, problem) {
+        (_, Some(p)) => cond(READY, "False", p.reason(), p.message()),
+        (None, None) => cond(
+            READY,
+            "False",
+            "DeploymentPending",
+            "the Deployment does not exist yet",
+        ),
+        (Some(d), None) if deployment_ready(d) => cond(
+            READY,
+            "True",
+            "Ready",
+            "every replica is updated and available",
+        ),
+        (Some(_), None) => cond(
+            READY,
+            "False",
+            "RolloutInProgress",
+            "the Deployment's replicas are not all updated and available yet",
+        ),
+    }
+}
+
 fn truncate(mut message: String) -> String {
     if message.len() > MAX_MESSAGE {
         let mut end = MAX_MESSAGE;
@@ -186,6 +214,7 @@ pub fn compute(
         .unwrap_or_default();
     let generation = app.metadata.generation;
     let conditions = [
+        ready(deployment, problem),
         available(deployment, problem),
         progressing(deployment, problem),
         degraded(deployment, problem),
@@ -421,6 +450,45 @@ mod tests {
             get(&s, DEGRADED).last_transition_time,
             Time(at(10)),
             "still False"
+        );
+    }
+
+    #[test]
+    fn the_ready_condition_agrees_with_status_ready_in_every_case() {
+        let problems = [
+            None,
+            Some(Problem::ImageMissing),
+            Some(Problem::InvalidSpec("no".into())),
+        ];
+        let mut deployments = vec![None];
+        for observed in [1, 2] {
+            for counts in [
+                [3, 3, 3, 3],
+                [2, 3, 3, 3],
+                [3, 4, 3, 3],
+                [3, 3, 2, 2],
+                [0; 4],
+            ] {
+                deployments.push(Some(deployment(3, observed, counts)));
+            }
+        }
+        let (mut ready, mut not_ready) = (0, 0);
+        for p in &problems {
+            for d in &deployments {
+                let s = compute(&app(2), d.as_ref(), p.as_ref(), at(10));
+                let c = get(&s, READY);
+                assert_eq!(c.status == "True", s.ready, "{p:?} {d:?}");
+                assert_eq!(c.observed_generation, Some(2));
+                if let Some(p) = p {
+                    assert_eq!(c.reason, p.reason());
+                }
+                if s.ready { ready += 1 } else { not_ready += 1 }
+            }
+        }
+        assert_eq!(
+            (ready, not_ready),
+            (1, 32),
+            "only a clean, finished rollout is ready"
         );
     }
 
