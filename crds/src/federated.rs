@@ -238,6 +238,7 @@ pub struct FederatedMyAppStatus {
     pub observed_generation: Option<i64>,
     /// `Propagated` and `Ready`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
     /// Clusters the MyApp is rendered for.
     #[serde(default)]
@@ -253,6 +254,7 @@ pub struct FederatedMyAppStatus {
     pub ready_replicas: i32,
     /// One entry per placed cluster, and one per named cluster that is not registered.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub clusters: Vec<ClusterStatus>,
 }
 

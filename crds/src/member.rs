@@ -45,6 +45,7 @@ pub struct MemberClusterSpec {
 pub struct MemberClusterStatus {
     /// `Ready`: an agent is connected and heartbeating.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_heartbeat_time: Option<Time>,

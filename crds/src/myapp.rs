@@ -40,8 +40,9 @@ pub struct MyAppStatus {
     pub ready_replicas: i32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Available`, `Progressing`, `Degraded`.
+    /// `Ready`, `Available`, `Progressing`, `Degraded`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
 }
 
@@ -79,6 +80,7 @@ pub mod v1 {
         group = "app.example.com",
         version = "v1",
         kind = "MyApp",
+        doc = "MyApp is one application in one member cluster: the operator runs it as a Deployment and a ConfigMap (a rolling update on every change of either), and reports readiness in status. In a federation flotilla-agent applies it from a FederatedMyApp; it can also be applied by hand.",
         plural = "myapps",
         shortname = "ma",
         namespaced,
@@ -113,6 +115,7 @@ pub mod v1beta1 {
         group = "app.example.com",
         version = "v1beta1",
         kind = "MyApp",
+        doc = "MyApp at v1beta1 (served, converted to the stored v1 by the agent's webhook): the ConfigMap contents were called configData.",
         plural = "myapps",
         shortname = "ma",
         namespaced,
@@ -160,6 +163,7 @@ pub mod v1alpha1 {
         group = "app.example.com",
         version = "v1alpha1",
         kind = "MyApp",
+        doc = "MyApp at v1alpha1 (served, converted to the stored v1 by the agent's webhook): replicas was called size, the ConfigMap contents configData.",
         plural = "myapps",
         shortname = "ma",
         namespaced,
