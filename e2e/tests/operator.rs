@@ -179,6 +179,25 @@ impl Fixture {
         .with_context(|| self.log())
     }
 
+    /// MyApp `name`'s status, once a condition has `reason`.
+    async fn condition_reason(&self, name: &str, reason: &str) -> MyAppStatus {
+        let api = self.api::<MyApp>();
+        wait_for(
+            TIMEOUT,
+            &format!("a condition with reason {reason}"),
+            || async {
+                let status = api.get(name).await?.status.unwrap_or_default();
+                Ok(status
+                    .conditions
+                    .iter()
+                    .any(|c| c.reason == reason)
+                    .then_some(status))
+            },
+        )
+        .await
+        .unwrap()
+    }
+
     async fn deployment(&self, name: &str) -> Deployment {
         self.api::<Deployment>()
             .get(&format!("{name}-deploy"))
@@ -588,16 +607,7 @@ async fn a_myapp_without_image_is_degraded_not_deployed() {
     // The seed's FederatedMyApp template renders exactly this.
     f.create("seed", json!({"replicas": 3})).await;
     let api = f.api::<MyApp>();
-    let status = wait_for(TIMEOUT, "the ImageMissing condition", || async {
-        let status = api.get("seed").await?.status.unwrap_or_default();
-        Ok(status
-            .conditions
-            .iter()
-            .any(|c| c.reason == "ImageMissing")
-            .then_some(status))
-    })
-    .await
-    .unwrap();
+    let status = f.condition_reason("seed", "ImageMissing").await;
     assert!(!status.ready);
     assert_eq!(condition(&status, "Degraded"), ("True", "ImageMissing"));
     assert_eq!(condition(&status, "Ready"), ("False", "ImageMissing"));
@@ -656,16 +666,7 @@ async fn one_myapp_the_apiserver_rejects_counts_errors_above_the_alert_rate() {
     )
     .await;
     let api = f.api::<MyApp>();
-    let status = wait_for(TIMEOUT, "the InvalidSpec condition", || async {
-        let status = api.get("stuck").await?.status.unwrap_or_default();
-        Ok(status
-            .conditions
-            .iter()
-            .any(|c| c.reason == "InvalidSpec")
-            .then_some(status))
-    })
-    .await
-    .unwrap();
+    let status = f.condition_reason("stuck", "InvalidSpec").await;
     assert_eq!(condition(&status, "Ready"), ("False", "InvalidSpec"));
     assert_eq!(condition(&status, "Degraded"), ("True", "InvalidSpec"));
 

@@ -167,27 +167,19 @@ pub async fn run_operator(
                 move |app| queue.triggered(app_key(app.namespace(), &app.name_any()))
             });
         let owned = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"));
-        // A change to a child queues its MyApp, as `owns` would; watched here to be seen.
-        let (q1, q2) = (queue.clone(), queue.clone());
         let controller = Controller::for_stream(apps, reader)
-            .owns_stream(
-                watcher(
-                    api::<PartialObjectMeta<Deployment>>(&client, scope.as_deref()),
-                    owned.clone(),
-                )
-                .default_backoff()
-                .touched_objects()
-                .inspect_ok(move |d| queue_owner(&q1, d)),
-            )
-            .owns_stream(
-                watcher(
-                    api::<PartialObjectMeta<ConfigMap>>(&client, scope.as_deref()),
-                    owned,
-                )
-                .default_backoff()
-                .touched_objects()
-                .inspect_ok(move |c| queue_owner(&q2, c)),
-            )
+            .owns_stream(child_changes::<Deployment>(
+                &client,
+                scope.as_deref(),
+                &owned,
+                &queue,
+            ))
+            .owns_stream(child_changes::<ConfigMap>(
+                &client,
+                scope.as_deref(),
+                &owned,
+                &queue,
+            ))
             .with_config(controller::Config::default().concurrency(config.concurrency))
             .graceful_shutdown_on(shutdown.clone().cancelled_owned())
             .run(reconcile, error_policy, ctx.clone())
@@ -250,15 +242,40 @@ fn app_key(namespace: Option<String>, name: &str) -> String {
     format!("{}/{name}", namespace.unwrap_or_default())
 }
 
-/// Queues the MyApp that controls `child`, by the owner reference the operator puts on it.
-fn queue_owner<K: Resource>(queue: &WorkQueue, child: &K) {
-    let owner = child
-        .owner_references()
-        .iter()
-        .find(|o| o.controller == Some(true) && o.kind == "MyApp");
-    if let Some(owner) = owner {
-        queue.triggered(app_key(child.namespace(), &owner.name));
-    }
+/// Changes to the operator's children of kind `K` (metadata only, as `owns` watches
+/// them), each queueing the MyApp that controls the child: watched here, rather than
+/// by `owns`, so that the work queue sees the trigger.
+fn child_changes<K>(
+    client: &Client,
+    namespace: Option<&str>,
+    owned: &watcher::Config,
+    queue: &WorkQueue,
+) -> impl futures::Stream<Item = Result<PartialObjectMeta<K>, watcher::Error>> + Send + 'static
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let queue = queue.clone();
+    watcher(
+        api::<PartialObjectMeta<K>>(client, namespace),
+        owned.clone(),
+    )
+    .default_backoff()
+    .touched_objects()
+    .inspect_ok(move |child| {
+        let owner = child
+            .owner_references()
+            .iter()
+            .find(|o| o.controller == Some(true) && o.kind == "MyApp");
+        if let Some(owner) = owner {
+            queue.triggered(app_key(child.namespace(), &owner.name));
+        }
+    })
 }
 
 async fn reconcile(app: Arc<MyApp>, ctx: Arc<Context>) -> Result<Action, Error> {
