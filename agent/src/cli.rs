@@ -269,36 +269,16 @@ async fn serve(
             tokio::join!(operator, hub);
         }
     };
-    // Only the agent holding the Lease acts. One that loses it (its apiserver gone for
-    // longer than the Lease, another agent took over) stops acting before anything else
-    // and waits as a standby again, so that two agents never act at once.
     let acting = async {
-        loop {
-            if !became_active(active.clone(), &shutdown).await {
-                return;
-            }
-            let stop = shutdown.child_token();
-            let work = act(stop.clone());
-            tokio::pin!(work);
-            tokio::select! {
-                () = &mut work => {
-                    shutdown.cancel();
-                    return;
-                }
-                () = lost(active.clone()) => {
-                    stop.cancel();
-                    work.await;
-                    if shutdown.is_cancelled() {
-                        return;
-                    }
-                    operator_ready.close();
-                    tracing::warn!("lost the agent Lease: stopped acting");
-                }
-            }
-        }
+        let acted = act_while_leading(active, args.leader.lease_duration, &shutdown, act, || {
+            operator_ready.close()
+        })
+        .await;
+        shutdown.cancel();
+        acted
     };
     // A component that stops on its own takes the others down: the process restarts whole.
-    let (served, hooked, (), ()) = tokio::join!(
+    let (served, hooked, acted, ()) = tokio::join!(
         async {
             let served = server.await;
             shutdown.cancel();
@@ -314,7 +294,55 @@ async fn serve(
     );
     served.with_context(|| format!("serving on {}", args.http_addr))?;
     hooked.context("conversion webhook")?;
-    Ok(())
+    acted
+}
+
+/// Runs `act` while this agent holds the Lease, until shutdown. Only the agent holding
+/// the Lease acts: one that loses it (its apiserver gone for longer than the Lease,
+/// another agent took over) stops acting before anything else (`on_lost`) and waits as
+/// a standby again, so that two agents never act at once. Work that does not stop
+/// within `grace` (about when another agent may take over) ends the process instead,
+/// which its Deployment restarts: a process that cannot stop acting must not go on.
+async fn act_while_leading<W>(
+    active: tokio::sync::watch::Receiver<bool>,
+    grace: Duration,
+    shutdown: &CancellationToken,
+    mut act: impl FnMut(CancellationToken) -> W,
+    on_lost: impl Fn(),
+) -> anyhow::Result<()>
+where
+    W: std::future::Future<Output = ()>,
+{
+    loop {
+        if !became_active(active.clone(), shutdown).await {
+            return Ok(());
+        }
+        let stop = shutdown.child_token();
+        let work = act(stop.clone());
+        tokio::pin!(work);
+        tokio::select! {
+            // Stopped on its own: the process restarts whole.
+            () = &mut work => return Ok(()),
+            () = lost(active.clone()) => {}
+            () = shutdown.cancelled() => {}
+        }
+        stop.cancel();
+        if tokio::time::timeout(grace, work).await.is_err() {
+            anyhow::bail!(
+                "the agent's work did not stop within {grace:?} of {}; exiting",
+                if shutdown.is_cancelled() {
+                    "shutdown"
+                } else {
+                    "losing the agent Lease"
+                }
+            );
+        }
+        if shutdown.is_cancelled() {
+            return Ok(());
+        }
+        on_lost();
+        tracing::warn!("lost the agent Lease: stopped acting");
+    }
 }
 
 /// The session with the hub, with the watches it reads, until `stop`.
@@ -368,7 +396,116 @@ async fn lost(mut active: tokio::sync::watch::Receiver<bool>) {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     use super::*;
+
+    /// Work that stops when told, counting how often it started.
+    fn obedient(
+        started: &AtomicUsize,
+    ) -> impl FnMut(CancellationToken) -> futures::future::BoxFuture<'static, ()> + '_ {
+        use futures::FutureExt;
+        move |stop| {
+            started.fetch_add(1, Ordering::SeqCst);
+            async move { stop.cancelled().await }.boxed()
+        }
+    }
+
+    async fn settle() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    /// The Lease lost and won back (an overloaded apiserver): the agent stops acting,
+    /// then acts again — it stayed a standby for good before.
+    #[tokio::test]
+    async fn acts_again_when_the_lease_comes_back() {
+        let (lease, active) = tokio::sync::watch::channel(true);
+        let shutdown = CancellationToken::new();
+        let (started, lost) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        let run = act_while_leading(
+            active,
+            Duration::from_secs(5),
+            &shutdown,
+            obedient(&started),
+            || {
+                lost.fetch_add(1, Ordering::SeqCst);
+            },
+        );
+        let flap = async {
+            settle().await;
+            for _ in 0..3 {
+                lease.send_replace(false);
+                settle().await;
+                lease.send_replace(true);
+                settle().await;
+            }
+            assert_eq!(started.load(Ordering::SeqCst), 4);
+            assert_eq!(lost.load(Ordering::SeqCst), 3);
+            shutdown.cancel();
+        };
+        let (acted, ()) = tokio::join!(run, flap);
+        acted.unwrap();
+    }
+
+    /// Work that ignores the stop ends the process (an error) within the grace, after
+    /// losing the Lease or at shutdown: it must neither act without the Lease nor
+    /// ignore SIGTERM.
+    #[tokio::test]
+    async fn work_that_does_not_stop_ends_the_process() {
+        for lose_lease in [true, false] {
+            let (lease, active) = tokio::sync::watch::channel(true);
+            let shutdown = CancellationToken::new();
+            let stubborn = |_| std::future::pending::<()>();
+            let run = act_while_leading(
+                active,
+                Duration::from_millis(200),
+                &shutdown,
+                stubborn,
+                || {},
+            );
+            let fault = async {
+                settle().await;
+                if lose_lease {
+                    lease.send_replace(false);
+                } else {
+                    shutdown.cancel();
+                }
+            };
+            let (acted, ()) =
+                tokio::time::timeout(Duration::from_secs(5), async { tokio::join!(run, fault) })
+                    .await
+                    .expect("the agent hung");
+            let error = acted.unwrap_err().to_string();
+            let cause = if lose_lease {
+                "losing the agent Lease"
+            } else {
+                "shutdown"
+            };
+            assert!(error.contains(cause), "{error}");
+        }
+    }
+
+    /// Shutdown while acting: the work stops and the loop ends cleanly.
+    #[tokio::test]
+    async fn shutdown_stops_the_work() {
+        let (_lease, active) = tokio::sync::watch::channel(true);
+        let shutdown = CancellationToken::new();
+        let started = AtomicUsize::new(0);
+        let run = act_while_leading(
+            active,
+            Duration::from_secs(5),
+            &shutdown,
+            obedient(&started),
+            || panic!("the Lease was not lost"),
+        );
+        let stop = async {
+            settle().await;
+            shutdown.cancel();
+        };
+        let (acted, ()) = tokio::join!(run, stop);
+        acted.unwrap();
+        assert_eq!(started.load(Ordering::SeqCst), 1);
+    }
 
     fn parse(args: &[&str]) -> OperatorArgs {
         let cli = Cli::try_parse_from([&["flotilla-agent", "operator"], args].concat()).unwrap();

@@ -7,9 +7,12 @@
 //! after about one hub restart in ten, and with it `/readyz`. A `watch` channel wakes
 //! every waiter.
 
+use std::future::Future;
+
 use futures::{Stream, TryStreamExt};
 use kube::runtime::watcher;
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 /// Resolves once the stream passed to [`track`] has delivered `InitDone`.
 #[derive(Clone, Debug)]
@@ -33,6 +36,31 @@ impl Listed {
     pub fn is_listed(&self) -> bool {
         *self.0.borrow()
     }
+
+    /// Drives `controller` (a kube-runtime `Controller` run with
+    /// `graceful_shutdown_on(stop)` over the store this tracks) to its end.
+    ///
+    /// Graceful shutdown lets reconciles in flight finish; but kube-runtime 5.0 first
+    /// holds its runner until the store is listed, and once `stop` fires it polls the
+    /// watch no more, so a controller stopped before its store listed never ends (an
+    /// agent that lost its Lease under an overloaded apiserver hung there for good,
+    /// and ignored SIGTERM). Such a controller has started no reconcile: it is
+    /// dropped at `stop` instead.
+    pub async fn run_controller(
+        &self,
+        controller: impl Future<Output = ()>,
+        stop: &CancellationToken,
+    ) {
+        tokio::select! {
+            () = controller => {}
+            () = async {
+                stop.cancelled().await;
+                if self.is_listed() {
+                    std::future::pending::<()>().await
+                }
+            } => {}
+        }
+    }
 }
 
 /// Passes `events` through, marking [`Listed`] at the first `InitDone`. Put it after the
@@ -54,10 +82,14 @@ where
 mod tests {
     use std::time::Duration;
 
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     use futures::StreamExt;
     use k8s_openapi::api::core::v1::ConfigMap;
     use kube::api::ObjectMeta;
-    use kube::runtime::reflector;
+    use kube::runtime::controller::Action;
+    use kube::runtime::{Controller, WatchStreamExt, reflector};
 
     use super::*;
 
@@ -113,6 +145,87 @@ mod tests {
         drop(feed);
         driver.await.unwrap();
         drop(controller);
+    }
+
+    /// A controller over `events` whose every reconcile takes `reconcile_for` and is
+    /// counted in `reconciled` when it finishes; run through
+    /// [`Listed::run_controller`] until `stop`.
+    fn controller(
+        events: futures::channel::mpsc::UnboundedReceiver<
+            Result<watcher::Event<ConfigMap>, watcher::Error>,
+        >,
+        reconcile_for: Duration,
+        reconciled: Arc<AtomicUsize>,
+        stop: CancellationToken,
+    ) -> impl Future<Output = ()> {
+        let (store, writer) = reflector::store::<ConfigMap>();
+        let (events, listed) = track(reflector(writer, events));
+        let run = Controller::for_stream(events.applied_objects(), store)
+            .graceful_shutdown_on(stop.clone().cancelled_owned())
+            .run(
+                move |_, reconciled: Arc<Arc<AtomicUsize>>| async move {
+                    tokio::time::sleep(reconcile_for).await;
+                    reconciled.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, std::convert::Infallible>(Action::await_change())
+                },
+                |_, _, _| Action::await_change(),
+                Arc::new(reconciled),
+            )
+            .for_each(|_| async {});
+        async move { listed.run_controller(run, &stop).await }
+    }
+
+    /// The agent that lost its Lease before its MyApp store listed: the controller must
+    /// end at `stop` (it hung for good before, the apiserver being unreachable).
+    #[tokio::test]
+    async fn a_controller_stopped_before_its_store_listed_ends() {
+        let (feed, events) = futures::channel::mpsc::unbounded();
+        let stop = CancellationToken::new();
+        let reconciled = Arc::new(AtomicUsize::new(0));
+        let run = tokio::spawn(controller(
+            events,
+            Duration::ZERO,
+            reconciled.clone(),
+            stop.clone(),
+        ));
+        feed.unbounded_send(Ok(watcher::Event::Init)).unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop.cancel();
+        tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .expect("the controller did not end at stop")
+            .unwrap();
+        assert_eq!(reconciled.load(Ordering::SeqCst), 0);
+        drop(feed);
+    }
+
+    /// Once listed, stop stays graceful: a reconcile in flight finishes first.
+    #[tokio::test]
+    async fn a_listed_controller_finishes_its_reconciles_before_it_ends() {
+        let (feed, events) = futures::channel::mpsc::unbounded();
+        let stop = CancellationToken::new();
+        let reconciled = Arc::new(AtomicUsize::new(0));
+        let run = tokio::spawn(controller(
+            events,
+            Duration::from_millis(500),
+            reconciled.clone(),
+            stop.clone(),
+        ));
+        for event in [
+            watcher::Event::Init,
+            watcher::Event::InitApply(config_map("a")),
+            watcher::Event::InitDone,
+        ] {
+            feed.unbounded_send(Ok(event)).unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        stop.cancel();
+        tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .expect("the controller did not end after its reconcile")
+            .unwrap();
+        assert_eq!(reconciled.load(Ordering::SeqCst), 1);
+        drop(feed);
     }
 
     #[tokio::test]

@@ -288,6 +288,7 @@ pub async fn plan_loop(
 pub async fn run(
     ctx: Arc<Context>,
     events: impl Stream<Item = Result<watcher::Event<FederatedMyApp>, watcher::Error>> + Send + 'static,
+    listed: listed::Listed,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let on_delete = ctx.clone();
@@ -296,7 +297,7 @@ pub async fn run(
         let queue = queue.clone();
         move |app| queue.triggered(key_of(app).to_string())
     });
-    Controller::for_stream(events, ctx.apps.clone())
+    let run = Controller::for_stream(events, ctx.apps.clone())
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(reconcile, error_policy, ctx)
         .for_each(|result| {
@@ -313,8 +314,8 @@ pub async fn run(
                 _ => {}
             }
             std::future::ready(())
-        })
-        .await;
+        });
+    listed.run_controller(run, &shutdown).await;
     if shutdown.is_cancelled() {
         Ok(())
     } else {

@@ -150,7 +150,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         controller::plan_loop(
             ctx.clone(),
             controller::Listed {
-                apps: apps_listed,
+                apps: apps_listed.clone(),
                 members: members_listed,
             },
             planned_tx,
@@ -161,7 +161,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     );
     tasks.spawn(
         "controller",
-        controller::run(ctx.clone(), app_events, shutdown.clone()),
+        controller::run(ctx.clone(), app_events, apps_listed, shutdown.clone()),
     );
     let service = FederationService {
         dispatcher,

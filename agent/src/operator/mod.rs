@@ -157,7 +157,7 @@ pub async fn run_operator(
             )
             .default_backoff(),
         );
-        listings.push(listed);
+        listings.push(listed.clone());
         let queue = ctx.metrics.queue(CONTROLLER);
         let apps = apps
             .applied_objects()
@@ -167,7 +167,7 @@ pub async fn run_operator(
                 move |app| queue.triggered(app_key(app.namespace(), &app.name_any()))
             });
         let owned = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"));
-        let controller = Controller::for_stream(apps, reader)
+        let run = Controller::for_stream(apps, reader)
             .owns_stream(child_changes::<Deployment>(
                 &client,
                 scope.as_deref(),
@@ -198,7 +198,8 @@ pub async fn run_operator(
                 }
                 std::future::ready(())
             });
-        controllers.push(controller);
+        let stop = shutdown.clone();
+        controllers.push(async move { listed.run_controller(run, &stop).await });
     }
     info!(namespaces = ?config.namespaces, resync = ?config.resync, "MyApp operator starting");
     let synced = async move {
@@ -481,5 +482,40 @@ impl Context {
         if let Err(e) = self.recorder.publish(&event, &app.object_ref(&())).await {
             warn!(error = %e, reason, "cannot publish Event");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use flotilla_common::http::Readiness;
+
+    use super::*;
+
+    /// An agent that loses its Lease while its apiserver has not answered yet (nothing
+    /// listed) must stop acting: it hung for good here before, and ignored SIGTERM.
+    #[tokio::test]
+    async fn stops_when_its_apiserver_never_answered() {
+        // Nothing listens on a port just released.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config = kube::Config::new(format!("https://127.0.0.1:{port}").parse().unwrap());
+        let client = Client::try_from(config).unwrap();
+        let stop = CancellationToken::new();
+        let run = tokio::spawn(run_operator(
+            client,
+            OperatorConfig::default(),
+            Arc::new(Metrics::default()),
+            Readiness::default().gate("operator"),
+            stop.clone(),
+        ));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stop.cancel();
+        tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .expect("the operator did not stop")
+            .unwrap();
     }
 }
