@@ -6,7 +6,7 @@
 //! listed: a plan made from a partial list would tell agents to delete what is wanted.
 //! The first full pass opens the gate for reconciles and for agents.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -284,7 +284,8 @@ pub async fn plan_loop(
 }
 
 /// Runs the FederatedMyApp controller over the reflector's `events` until `shutdown`.
-/// Deletions that bypass the finalizer are carried into the index as they happen.
+/// Deletions that bypass the finalizer are carried into the index as they happen, or at
+/// the end of the re-list that shows them.
 pub async fn run(
     ctx: Arc<Context>,
     events: impl Stream<Item = Result<watcher::Event<FederatedMyApp>, watcher::Error>> + Send + 'static,
@@ -293,7 +294,7 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let on_delete = ctx.clone();
     let queue = ctx.metrics.queue(CONTROLLER);
-    let events = watched(events, move |app| deleted(app, &on_delete)).inspect_ok({
+    let events = watched(events, move |key, orphan| deleted(key, orphan, &on_delete)).inspect_ok({
         let queue = queue.clone();
         move |app| queue.triggered(key_of(app).to_string())
     });
@@ -323,28 +324,77 @@ pub async fn run(
     }
 }
 
-/// Applied objects whose generation changed, reporting deletions to `on_delete` first.
+/// Applied objects whose generation changed, reporting deletions to `on_delete` first
+/// (with whether the app asked to be orphaned).
 fn watched(
     events: impl Stream<Item = Result<watcher::Event<FederatedMyApp>, watcher::Error>> + Send,
-    on_delete: impl Fn(&FederatedMyApp) + Send + Sync + 'static,
+    on_delete: impl Fn(&AppKey, bool) + Send + Sync + 'static,
 ) -> impl Stream<Item = Result<FederatedMyApp, watcher::Error>> + Send {
+    let mut seen = Seen::default();
     events
         .inspect_ok(move |event| {
-            if let watcher::Event::Delete(app) = event {
-                on_delete(app);
+            for (key, orphan) in seen.deleted(event) {
+                on_delete(&key, orphan);
             }
         })
         .applied_objects()
         .predicate_filter(predicates::generation, Default::default())
 }
 
+/// The apps the watch has shown, to tell which are gone: those it reports deleted, and
+/// those a re-list no longer holds (deleted while the watch was down, e.g. across an
+/// apiserver restart: no Delete event ever comes for them). Only two complete lists are
+/// compared, never a partial one.
+#[derive(Default)]
+struct Seen {
+    /// Each app, with whether it asked to be orphaned, as last seen.
+    apps: HashMap<AppKey, bool>,
+    /// The list in progress, from `Init` to `InitDone`.
+    relist: Option<HashMap<AppKey, bool>>,
+}
+
+impl Seen {
+    /// Takes in one event; returns the apps it shows deleted.
+    fn deleted(&mut self, event: &watcher::Event<FederatedMyApp>) -> Vec<(AppKey, bool)> {
+        match event {
+            watcher::Event::Init => {
+                self.relist = Some(HashMap::new());
+                Vec::new()
+            }
+            watcher::Event::InitApply(app) => {
+                if let Some(listed) = &mut self.relist {
+                    listed.insert(key_of(app), orphans(app));
+                }
+                Vec::new()
+            }
+            watcher::Event::InitDone => match self.relist.take() {
+                Some(listed) => {
+                    let before = std::mem::replace(&mut self.apps, listed);
+                    before
+                        .into_iter()
+                        .filter(|(key, _)| !self.apps.contains_key(key))
+                        .collect()
+                }
+                None => Vec::new(),
+            },
+            watcher::Event::Apply(app) => {
+                self.apps.insert(key_of(app), orphans(app));
+                Vec::new()
+            }
+            watcher::Event::Delete(app) => {
+                self.apps.remove(&key_of(app));
+                vec![(key_of(app), orphans(app))]
+            }
+        }
+    }
+}
+
 /// A FederatedMyApp vanished from the host. Through our finalizer that changes nothing;
 /// with the finalizer removed by hand, its MyApps are deleted now (or released, with
 /// `kubefed.io/orphan`) instead of by surprise at the next hub restart.
-fn deleted(app: &FederatedMyApp, ctx: &Context) {
-    let key = key_of(app);
-    ctx.dispatcher.drop_app(&key, orphans(app));
-    ctx.status.forget(&key);
+fn deleted(key: &AppKey, orphan: bool, ctx: &Context) {
+    ctx.dispatcher.drop_app(key, orphan);
+    ctx.status.forget(key);
 }
 
 pub async fn reconcile(app: Arc<FederatedMyApp>, ctx: Arc<Context>) -> Result<Action, Error> {
@@ -545,6 +595,51 @@ mod tests {
             Some(later)
         );
         assert_eq!(next_recheck(Scope::All, Some(soon), None), None);
+    }
+
+    fn named(name: &str, orphan: bool) -> FederatedMyApp {
+        let mut a = app(&format!(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {{name: {name}, namespace: n}}\nspec: {{}}\n"
+        ));
+        if orphan {
+            a.annotations_mut()
+                .insert(ORPHAN_ANNOTATION.into(), "true".into());
+        }
+        a
+    }
+
+    fn list(seen: &mut Seen, apps: &[FederatedMyApp]) -> Vec<(AppKey, bool)> {
+        let mut gone = seen.deleted(&watcher::Event::Init);
+        for a in apps {
+            gone.extend(seen.deleted(&watcher::Event::InitApply(a.clone())));
+        }
+        gone.extend(seen.deleted(&watcher::Event::InitDone));
+        gone
+    }
+
+    /// An app deleted (finalizer removed by hand) while the watch was down is in no
+    /// event: the re-list that no longer holds it must report it, with its orphan wish;
+    /// the first list reports nothing, and neither does a list cut short.
+    #[test]
+    fn a_relist_reports_the_apps_it_no_longer_holds() {
+        let key = |name: &str| AppKey::new("n", name);
+        let mut seen = Seen::default();
+        let (a, b, c) = (named("a", false), named("b", true), named("c", false));
+        assert_eq!(list(&mut seen, &[a.clone(), b.clone()]), vec![]);
+        assert_eq!(seen.deleted(&watcher::Event::Apply(c.clone())), vec![]);
+        // A list that restarts before its end reports nothing of its partial view.
+        seen.deleted(&watcher::Event::Init);
+        seen.deleted(&watcher::Event::InitApply(a.clone()));
+        let mut gone = list(&mut seen, std::slice::from_ref(&a));
+        gone.sort_by_key(|(key, _)| key.to_string());
+        assert_eq!(gone, vec![(key("b"), true), (key("c"), false)]);
+        // Once reported, never again; a Delete event reports its app once.
+        assert_eq!(list(&mut seen, std::slice::from_ref(&a)), vec![]);
+        assert_eq!(
+            seen.deleted(&watcher::Event::Delete(a.clone())),
+            vec![(key("a"), false)]
+        );
+        assert_eq!(list(&mut seen, &[]), vec![]);
     }
 
     #[test]
