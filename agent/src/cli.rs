@@ -83,6 +83,10 @@ pub struct RunArgs {
     /// list/watch on nodes and pods; 0s turns it off.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub capacity_interval: Duration,
+    /// The hub's requests (apply, delete, release) carried out at once; each MyApp's
+    /// requests still run one at a time, in order.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
+    pub apply_concurrency: u16,
     #[command(flatten)]
     pub operator: OperatorArgs,
 }
@@ -109,6 +113,7 @@ impl RunArgs {
             heartbeat: self.heartbeat,
             max_collect_share: self.max_collect_share,
             capacity_interval: Some(self.capacity_interval).filter(|i| !i.is_zero()),
+            concurrency: self.apply_concurrency.into(),
         })
     }
 }

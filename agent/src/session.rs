@@ -11,7 +11,7 @@
 //! when they are at most `max_collect_share` of them: a larger collection is held until a
 //! user confirms it on the hub (the circuit breaker).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,6 +24,7 @@ use flotilla_crds::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
 use flotilla_proto::client::{self, Dial, DialError};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
 use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
@@ -53,6 +54,8 @@ pub struct SessionConfig {
     pub max_collect_share: f64,
     /// Capacity goes to the hub at most this often, and only when it changed; None: never.
     pub capacity_interval: Option<Duration>,
+    /// The hub's requests carried out at once (each MyApp's one at a time, in order).
+    pub concurrency: usize,
 }
 
 /// The MyApps this agent manages, cached, with a feed of the keys that changed.
@@ -199,14 +202,79 @@ impl Retries {
         self.0.lock().get(key).map(|f| f.error.clone())
     }
 
-    fn due(&self) -> Vec<(Key, Wanted)> {
+    /// The failed requests due for another try, each handed out once: the failure (its
+    /// error, its count) stays until the try succeeds or a newer request replaces it.
+    fn take_due(&self) -> Vec<(Key, Wanted)> {
         let now = Instant::now();
         self.0
             .lock()
-            .iter()
+            .iter_mut()
             .filter(|(_, f)| f.due.is_some_and(|due| due <= now))
-            .map(|(k, f)| (k.clone(), f.wanted.clone()))
+            .map(|(k, f)| {
+                f.due = None;
+                (k.clone(), f.wanted.clone())
+            })
             .collect()
+    }
+}
+
+/// The hub's requests waiting to be carried out: up to `limit` at once, never two for
+/// one MyApp at once, in the order they came. A newer request for a MyApp replaces the
+/// one still waiting (only the latest wish counts), so that a MyApp's requests are never
+/// carried out out of order.
+struct Worklist {
+    waiting: HashMap<Key, Wanted>,
+    /// Waiting keys in arrival order.
+    order: VecDeque<Key>,
+    running: HashSet<Key>,
+    limit: usize,
+}
+
+impl Worklist {
+    fn new(limit: usize) -> Self {
+        Self {
+            waiting: HashMap::new(),
+            order: VecDeque::new(),
+            running: HashSet::new(),
+            limit: limit.max(1),
+        }
+    }
+
+    /// A request from the hub.
+    fn push(&mut self, key: Key, wanted: Wanted) {
+        if self.waiting.insert(key.clone(), wanted).is_none() {
+            self.order.push_back(key);
+        }
+    }
+
+    /// A retry: never over a newer request that waits.
+    fn push_retry(&mut self, key: Key, wanted: Wanted) {
+        if !self.waiting.contains_key(&key) {
+            self.push(key, wanted);
+        }
+    }
+
+    /// The next request to start, if one may start now.
+    fn next(&mut self) -> Option<(Key, Wanted)> {
+        if self.running.len() >= self.limit {
+            return None;
+        }
+        let at = self.order.iter().position(|k| !self.running.contains(k))?;
+        let key = self.order.remove(at)?;
+        let wanted = self.waiting.remove(&key)?;
+        self.running.insert(key.clone());
+        Some((key, wanted))
+    }
+
+    fn done(&mut self, key: &Key) {
+        self.running.remove(key);
+    }
+
+    /// Whether to read more of the hub's requests: past a backlog the session stops
+    /// reading, so that the hub's stream is held back rather than the agent's memory
+    /// growing.
+    fn has_room(&self) -> bool {
+        self.waiting.len() < self.limit * 4
     }
 }
 
@@ -293,13 +361,26 @@ async fn one_session(
         touched: &touched,
     };
     let mut retry_tick = tokio::time::interval(Duration::from_secs(1));
+    let mut work = Worklist::new(config.concurrency);
+    let mut running = FuturesUnordered::new();
     let result = async {
         loop {
+            while let Some((key, wanted)) = work.next() {
+                let handler = &handler;
+                running.push(async move {
+                    handler.carry_out(&key, wanted).await;
+                    key
+                });
+            }
             let message = tokio::select! {
-                m = inbound.message() => m.map_err(SessionError::Stream)?,
+                m = inbound.message(), if work.has_room() => m.map_err(SessionError::Stream)?,
+                Some(key) = running.next() => {
+                    work.done(&key);
+                    continue;
+                }
                 _ = retry_tick.tick() => {
-                    for (key, wanted) in retries.due() {
-                        handler.carry_out(&key, wanted).await;
+                    for (key, wanted) in retries.take_due() {
+                        work.push_retry(key, wanted);
                     }
                     continue;
                 }
@@ -308,12 +389,13 @@ async fn one_session(
             match message.kind {
                 Some(hub_message::Kind::Apply(apply)) => {
                     let Some(key) = Key::from_wire(apply.key) else { continue };
-                    let wanted = Wanted::Apply { manifest: apply.manifest };
-                    handler.carry_out(&key, wanted).await;
+                    retries.clear(&key);
+                    work.push(key, Wanted::Apply { manifest: apply.manifest });
                 }
                 Some(hub_message::Kind::Delete(delete)) => {
                     let Some(key) = Key::from_wire(delete.key) else { continue };
-                    handler.carry_out(&key, Wanted::Delete { orphan: delete.orphan }).await;
+                    retries.clear(&key);
+                    work.push(key, Wanted::Delete { orphan: delete.orphan });
                 }
                 Some(hub_message::Kind::SyncComplete(complete)) => {
                     let desired: HashSet<Key> = complete
@@ -341,7 +423,8 @@ async fn one_session(
                     }
                     for orphan in orphans {
                         info!(app = %orphan, "collecting an orphan the hub no longer wants");
-                        handler.carry_out(&orphan, Wanted::Delete { orphan: false }).await;
+                        retries.clear(&orphan);
+                        work.push(orphan, Wanted::Delete { orphan: false });
                     }
                 }
                 None => {}
@@ -389,14 +472,16 @@ impl Handler<'_> {
     /// Does what the hub asked; a failure is reported and retried with backoff until it
     /// succeeds or the hub asks for something else.
     async fn carry_out(&self, key: &Key, wanted: Wanted) {
-        self.retries.clear(key);
         let done = match &wanted {
             Wanted::Apply { manifest, .. } => self.sync.apply(key, manifest).await,
             Wanted::Delete { orphan: true } => self.sync.release(key).await,
             Wanted::Delete { orphan: false } => self.sync.delete(key).await,
         };
         match done {
-            Ok(()) => debug!(app = %key, "done"),
+            Ok(()) => {
+                self.retries.clear(key);
+                debug!(app = %key, "done")
+            }
             Err(e @ SyncError::BadManifest { .. }) => {
                 // Retrying the same bytes cannot help: reported, not retried.
                 warn!(app = %key, error = %e, "refused");
@@ -522,13 +607,181 @@ mod tests {
         assert!(empty.allows(0, 0));
     }
 
+    fn apply(v: &'static str) -> Wanted {
+        Wanted::Apply {
+            manifest: bytes::Bytes::from_static(v.as_bytes()),
+        }
+    }
+
+    fn what(w: &Wanted) -> String {
+        match w {
+            Wanted::Apply { manifest } => String::from_utf8_lossy(manifest).into_owned(),
+            Wanted::Delete { orphan } => format!("delete(orphan={orphan})"),
+        }
+    }
+
+    /// Up to the limit at once, in arrival order, one per MyApp at a time; a newer
+    /// request replaces the one waiting; a retry never replaces a newer request.
+    #[test]
+    fn the_worklist_runs_each_app_in_order_and_only_its_latest_wish() {
+        let (a, b, c) = (
+            Key::new("ns", "a"),
+            Key::new("ns", "b"),
+            Key::new("ns", "c"),
+        );
+        let mut w = Worklist::new(2);
+        w.push(a.clone(), apply("a1"));
+        w.push(b.clone(), apply("b1"));
+        w.push(c.clone(), apply("c1"));
+        let started: Vec<_> = std::iter::from_fn(|| w.next()).collect();
+        assert_eq!(
+            started
+                .iter()
+                .map(|(k, w)| (k.name.as_str(), what(w)))
+                .collect::<Vec<_>>(),
+            [("a", "a1".into()), ("b", "b1".into())],
+            "two at once, in arrival order"
+        );
+        // While a1 runs, a2 then a delete of a come: only the delete is left to do.
+        w.push(a.clone(), apply("a2"));
+        w.push(a.clone(), Wanted::Delete { orphan: false });
+        w.push_retry(a.clone(), apply("a1"));
+        w.done(&b);
+        let (k, wanted) = w.next().unwrap();
+        assert_eq!(
+            (k.name.as_str(), what(&wanted)),
+            ("c", "c1".into()),
+            "a waits for a1 to end"
+        );
+        assert!(w.next().is_none(), "two are running");
+        w.done(&a);
+        let (k, wanted) = w.next().unwrap();
+        assert_eq!(
+            (k.name.as_str(), what(&wanted)),
+            ("a", "delete(orphan=false)".into())
+        );
+        w.done(&a);
+        w.done(&c);
+        assert!(w.next().is_none());
+        // A retry is taken when nothing newer waits.
+        w.push_retry(b.clone(), apply("b1"));
+        assert_eq!(what(&w.next().unwrap().1), "b1");
+    }
+
+    /// Whatever the order of requests, completions and retries: never two requests of
+    /// one MyApp at once, never more than the limit, and each MyApp's last request is
+    /// the last one carried out for it.
+    #[test]
+    fn the_worklist_keeps_order_under_any_interleaving() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut random = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for _ in 0..200 {
+            let mut w = Worklist::new(1 + random(3) as usize);
+            let mut last_pushed: HashMap<Key, String> = HashMap::new();
+            let mut last_run: HashMap<Key, String> = HashMap::new();
+            let mut running: Vec<Key> = Vec::new();
+            for step in 0..300 {
+                match random(3) {
+                    0 => {
+                        let key = Key::new("ns", format!("a{}", random(5)));
+                        let v = format!("v{step}");
+                        w.push(
+                            key.clone(),
+                            Wanted::Apply {
+                                manifest: v.clone().into(),
+                            },
+                        );
+                        last_pushed.insert(key, v);
+                    }
+                    1 if !running.is_empty() => {
+                        let key = running.remove(random(running.len() as u64) as usize);
+                        w.done(&key);
+                    }
+                    _ => {}
+                }
+                while let Some((key, wanted)) = w.next() {
+                    assert!(!running.contains(&key), "{key} started twice at once");
+                    running.push(key.clone());
+                    last_run.insert(key, what(&wanted));
+                }
+                assert!(running.len() <= w.limit);
+            }
+            for key in running.drain(..) {
+                w.done(&key);
+            }
+            while let Some((key, wanted)) = w.next() {
+                last_run.insert(key.clone(), what(&wanted));
+                w.done(&key);
+            }
+            assert_eq!(last_run, last_pushed);
+        }
+    }
+
+    /// Each try that fails counts, so that the delay doubles: a try used to clear its
+    /// own failure first, and a MyApp that kept failing was retried every second.
+    #[tokio::test]
+    async fn a_retry_that_fails_again_counts() {
+        // Nothing listens on a port just released: every request fails, retryably.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config = kube::Config::new(format!("https://127.0.0.1:{port}").parse().unwrap());
+        let (store, _writer) = reflector::store::<MyApp>();
+        let sync = Sync::new(Client::try_from(config).unwrap(), store);
+        let retries = Retries::default();
+        let (touched, _touched) = mpsc::unbounded_channel();
+        let handler = Handler {
+            sync: &sync,
+            retries: &retries,
+            touched: &touched,
+        };
+        let k = Key::new("ns", "a");
+        handler.carry_out(&k, Wanted::Delete { orphan: true }).await;
+        handler.carry_out(&k, Wanted::Delete { orphan: true }).await;
+        assert_eq!(retries.0.lock()[&k].attempts, 2);
+    }
+
+    /// A failing request is tried again after 1 s, 2 s, 4 s...; a due retry is handed
+    /// out once, and its error stays until a try succeeds.
+    #[test]
+    fn retries_back_off_and_are_handed_out_once() {
+        let r = Retries::default();
+        let k = Key::new("ns", "a");
+        for attempts in 1..=3u32 {
+            r.failed(&k, Wanted::Delete { orphan: false }, "boom".into(), true);
+            let f = &r.0.lock()[&k];
+            assert_eq!(f.attempts, attempts);
+            let delay = f.due.unwrap() - Instant::now();
+            let want = Duration::from_secs(1 << (attempts - 1));
+            assert!(
+                delay <= want && delay > want - Duration::from_millis(500),
+                "{delay:?}"
+            );
+        }
+        r.0.lock().get_mut(&k).unwrap().due = Some(Instant::now());
+        assert_eq!(r.take_due().len(), 1);
+        assert!(r.take_due().is_empty(), "handed out once while it is tried");
+        assert_eq!(
+            r.error(&k).as_deref(),
+            Some("boom"),
+            "the error stays until success"
+        );
+    }
+
     #[test]
     fn failures_back_off_and_a_new_request_replaces_them() {
         let r = Retries::default();
         let k = Key::new("ns", "a");
         r.failed(&k, Wanted::Delete { orphan: false }, "boom".into(), true);
         assert_eq!(r.error(&k).as_deref(), Some("boom"));
-        assert!(r.due().is_empty(), "not due before its delay");
+        assert!(r.take_due().is_empty(), "not due before its delay");
         r.clear(&k);
         assert_eq!(r.error(&k), None);
         r.failed(
