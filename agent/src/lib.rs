@@ -12,3 +12,16 @@ pub mod report;
 pub mod session;
 pub mod sync;
 pub mod webhook;
+
+/// A client of an apiserver that never answers: nothing listens on a port just
+/// released, so every request fails at once, as with an apiserver that is down.
+#[cfg(test)]
+fn unreachable_client() -> kube::Client {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = kube::Config::new(format!("https://127.0.0.1:{port}").parse().unwrap());
+    kube::Client::try_from(config).unwrap()
+}

@@ -726,15 +726,9 @@ mod tests {
     /// own failure first, and a MyApp that kept failing was retried every second.
     #[tokio::test]
     async fn a_retry_that_fails_again_counts() {
-        // Nothing listens on a port just released: every request fails, retryably.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let config = kube::Config::new(format!("https://127.0.0.1:{port}").parse().unwrap());
+        // Every request fails, retryably.
         let (store, _writer) = reflector::store::<MyApp>();
-        let sync = Sync::new(Client::try_from(config).unwrap(), store);
+        let sync = Sync::new(crate::unreachable_client(), store);
         let retries = Retries::default();
         let (touched, _touched) = mpsc::unbounded_channel();
         let handler = Handler {

@@ -495,14 +495,7 @@ mod tests {
     /// listed) must stop acting: it hung for good here before, and ignored SIGTERM.
     #[tokio::test]
     async fn stops_when_its_apiserver_never_answered() {
-        // Nothing listens on a port just released.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let config = kube::Config::new(format!("https://127.0.0.1:{port}").parse().unwrap());
-        let client = Client::try_from(config).unwrap();
+        let client = crate::unreachable_client();
         let stop = CancellationToken::new();
         let run = tokio::spawn(run_operator(
             client,
