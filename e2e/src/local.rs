@@ -8,9 +8,8 @@
 
 use crate::env::{ClusterState, Env};
 use crate::process::{self, ProcessRecord};
-use crate::support::workspace_root;
+use crate::support::{free_port, workspace_root};
 use anyhow::{Context, Result, bail};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -54,18 +53,13 @@ pub async fn binaries() -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// The ports of one cluster's components, picked by the OS (`127.0.0.1:0`) rather than by
+/// The ports of one cluster's components, picked here (see [`free_port`]) rather than by
 /// kwokctl, which scans down from 32767 and so hands two environments created at the same
 /// time the same ports.
 fn free_ports() -> Result<[u16; 6]> {
-    // Hold all six listeners until all are picked, so the six differ.
-    let listeners: Vec<TcpListener> = (0..6)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<std::io::Result<_>>()
-        .context("picking free ports")?;
     let mut ports = [0; 6];
-    for (p, l) in ports.iter_mut().zip(&listeners) {
-        *p = l.local_addr()?.port();
+    for p in &mut ports {
+        *p = free_port()?;
     }
     Ok(ports)
 }

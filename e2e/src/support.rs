@@ -61,20 +61,39 @@ fn executables(messages: &str) -> BTreeMap<String, PathBuf> {
         .collect()
 }
 
-/// `127.0.0.1:PORT` with a port free right now, and never one this process handed out
-/// before: the OS may offer a just-released port again, and two components given the
-/// same port fail at start (seen: the hub's and an agent's HTTP port).
+/// `127.0.0.1:PORT` with a port from [`free_port`].
 pub fn free_addr() -> Result<String> {
+    Ok(format!("127.0.0.1:{}", free_port()?))
+}
+
+/// A port free on loopback right now, never one this process handed out before (the OS
+/// may offer a just-released port again, and two components given the same port fail at
+/// start: seen with the hub's and an agent's HTTP port), and below the kernel's ephemeral
+/// range: components are restarted on their port (an agent after SIGKILL, the hub, an
+/// apiserver), and meanwhile any outgoing connection on the machine may take an ephemeral
+/// port (seen: a restarted agent failed with "Address already in use").
+pub fn free_port() -> Result<u16> {
     static GIVEN: parking_lot::Mutex<std::collections::BTreeSet<u16>> =
         parking_lot::Mutex::new(std::collections::BTreeSet::new());
-    for _ in 0..1000 {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-        let addr = listener.local_addr()?;
-        if GIVEN.lock().insert(addr.port()) {
-            return Ok(addr.to_string());
+    let (low, high) = (10_000, ephemeral_start().saturating_sub(1).max(10_999));
+    for _ in 0..10_000 {
+        let port = fastrand::u16(low..=high);
+        if GIVEN.lock().contains(&port) || std::net::TcpListener::bind(("127.0.0.1", port)).is_err()
+        {
+            continue;
         }
+        GIVEN.lock().insert(port);
+        return Ok(port);
     }
-    anyhow::bail!("no free port this process has not handed out already")
+    anyhow::bail!("no free port in {low}-{high} that this process has not handed out already")
+}
+
+/// The first port of the kernel's ephemeral range (Linux's default: 32768).
+fn ephemeral_start() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768)
 }
 
 /// A plain HTTP/1.0 GET on loopback: (status code, body).
@@ -125,6 +144,17 @@ pub fn sample(metrics: &str, name_and_labels: &str) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn free_ports_are_below_the_ephemeral_range_and_never_repeat() {
+        let ports: std::collections::BTreeSet<u16> =
+            (0..50).map(|_| free_port().unwrap()).collect();
+        assert_eq!(ports.len(), 50);
+        assert!(
+            ports.iter().all(|p| *p >= 10_000 && *p < ephemeral_start()),
+            "{ports:?}"
+        );
+    }
 
     #[test]
     fn sample_reads_the_exact_series_and_nothing_else() {
