@@ -469,6 +469,8 @@ pub struct AgentRun {
     pub to_sync: Duration,
     /// What it holds afterwards (only when asked to keep it).
     pub held: Vec<pb::Managed>,
+    /// Sessions that failed to open and were opened again.
+    pub retries: u64,
 }
 
 async fn dial(addr: SocketAddr, ca: &str, cluster: &str) -> Result<client::HubClient> {
@@ -504,7 +506,6 @@ async fn agent(
     keep: bool,
     start: Instant,
 ) -> Result<AgentRun> {
-    let mut hub = dial(addr, &ca, &cluster).await?;
     let hello = pb::Hello {
         cluster: cluster.clone(),
         agent_version: "bench-load-generator".into(),
@@ -512,10 +513,30 @@ async fn agent(
         managed,
         cluster_uid: String::new(),
     };
-    let (tx, mut inbound) = client::open_session(&mut hub, hello, 64)
-        .await
-        .with_context(|| format!("{cluster}: opening the session"))?;
-    let mut run = AgentRun::default();
+    // Like an agent, retry a session the hub refused or dropped while opening it (seen
+    // under heavy load: the connection broke before the response headers).
+    let mut retries = 0;
+    let (tx, mut inbound) = loop {
+        let opened = async {
+            let mut hub = dial(addr, &ca, &cluster).await?;
+            client::open_session(&mut hub, hello.clone(), 64)
+                .await
+                .with_context(|| format!("{cluster}: opening the session"))
+        };
+        match opened.await {
+            Ok(session) => break session,
+            Err(e) if retries >= 5 => return Err(e),
+            Err(e) => {
+                retries += 1;
+                eprintln!("bench: {e:#}; retrying ({retries})");
+                tokio::time::sleep(Duration::from_millis(500 * retries)).await;
+            }
+        }
+    };
+    let mut run = AgentRun {
+        retries,
+        ..AgentRun::default()
+    };
     loop {
         let m = inbound
             .message()
@@ -603,6 +624,7 @@ struct Phase {
     server_cpu_s: f64,
     server_peak_rss_mib: f64,
     loadgen_cpu_s: f64,
+    retries: u64,
     runs: Vec<AgentRun>,
 }
 
@@ -628,6 +650,7 @@ async fn phase(
         server_cpu_s: s1.cpu_s - s0.cpu_s,
         server_peak_rss_mib: s1.peak_rss_mib,
         loadgen_cpu_s: l1.cpu_s - l0.cpu_s,
+        retries: runs.iter().map(|r| r.retries).sum(),
         runs,
     })
 }
@@ -723,6 +746,10 @@ pub async fn fanout(size: Size) -> Result<Report> {
                 hub_setup_s + hub.seconds,
                 setup.cpu_s + hub.server_cpu_s
             ),
+            format!(
+                "sessions opened again after a refusal or a broken connection: floor {}, hub {}",
+                floor.retries, hub.retries
+            ),
         ],
         json: json!({
             "scenario": "fanout",
@@ -741,6 +768,7 @@ pub async fn fanout(size: Size) -> Result<Report> {
             "floor_pushes_per_s": round(rate(floor.seconds), 0),
             "floor_peak_rss_mib": round(floor.server_peak_rss_mib, 1),
             "floor_cpu_s": round(floor.server_cpu_s, 2),
+            "session_retries": hub.retries,
         }),
     };
     Ok(report)
@@ -801,10 +829,16 @@ pub async fn resync(size: Size) -> Result<Report> {
             row("baseline: first sync, agents hold nothing", &cold),
             row("resync: new hub, agents hold everything", &warm),
         ],
-        notes: vec![format!(
-            "target: 0 Apply messages on an unchanged resync ({})",
-            if warm.applies == 0 { "met" } else { "missed" }
-        )],
+        notes: vec![
+            format!(
+                "target: 0 Apply messages on an unchanged resync ({})",
+                if warm.applies == 0 { "met" } else { "missed" }
+            ),
+            format!(
+                "sessions opened again after a refusal or a broken connection: baseline {}, resync {}",
+                cold.retries, warm.retries
+            ),
+        ],
         json: json!({
             "scenario": "resync",
             "clusters": size.clusters,
