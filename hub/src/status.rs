@@ -34,8 +34,9 @@ use crate::schedule::{self, Schedule};
 /// How one cluster's rendering of an app came out.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    /// Rendered; the agent should report this hash.
-    Rendered { hash: String },
+    /// Rendered; the agent should report this hash (shared by the clusters that got the
+    /// same bytes).
+    Rendered { hash: Arc<str> },
     /// Not sent: why, in words for the user.
     Failed { message: String },
     /// NotReady past the failover grace period: its share runs elsewhere, its copy is
@@ -182,7 +183,7 @@ pub fn compute(
                         Reason::ApplyFailed,
                         format!("applying the MyApp failed (the agent retries): {e}"),
                     )),
-                    Some(r) if r.exists && &r.hash == hash => {
+                    Some(r) if r.exists && r.hash == **hash => {
                         entry.ready = r.ready && r.observed_generation >= r.generation;
                         if entry.ready {
                             ready_count += 1;
