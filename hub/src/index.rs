@@ -47,19 +47,20 @@ pub enum Held {
 }
 
 /// cluster → app → desired state, with its number of `Apply` entries kept in step: the
-/// pairs gauge reads it after every app change, and counting would take O(pairs).
+/// pairs gauge reads it after every app change, and counting would take O(pairs). An
+/// app's clusters share one key, not a copy each.
 #[derive(Debug, Default)]
 struct DesiredPairs {
-    by_cluster: HashMap<String, HashMap<AppKey, Desired>>,
+    by_cluster: HashMap<String, HashMap<Arc<AppKey>, Desired>>,
     applied: usize,
 }
 
 impl DesiredPairs {
-    fn get(&self, cluster: &str) -> Option<&HashMap<AppKey, Desired>> {
+    fn get(&self, cluster: &str) -> Option<&HashMap<Arc<AppKey>, Desired>> {
         self.by_cluster.get(cluster)
     }
 
-    fn insert(&mut self, cluster: &str, key: &AppKey, want: Desired) -> Option<Desired> {
+    fn insert(&mut self, cluster: &str, key: &Arc<AppKey>, want: Desired) -> Option<Desired> {
         self.applied += usize::from(is_apply(&want));
         let previous = self
             .by_cluster
@@ -68,6 +69,14 @@ impl DesiredPairs {
             .insert(key.clone(), want);
         self.applied -= usize::from(previous.as_ref().is_some_and(is_apply));
         previous
+    }
+
+    /// The cluster's own copy of `key` when it has one, to share rather than copy.
+    fn shared_key(&self, cluster: &str, key: &AppKey) -> Arc<AppKey> {
+        match self.get(cluster).and_then(|d| d.get_key_value(key)) {
+            Some((shared, _)) => shared.clone(),
+            None => Arc::new(key.clone()),
+        }
     }
 
     fn remove(&mut self, cluster: &str, key: &AppKey) -> Option<Desired> {
@@ -108,7 +117,7 @@ pub struct Index {
     generation: HashMap<AppKey, i64>,
     /// cluster → apps its agent manages, for clusters whose agent said Hello since it
     /// last connected; absent for the others, whose state is unknown.
-    present: HashMap<String, HashSet<AppKey>>,
+    present: HashMap<String, HashSet<Arc<AppKey>>>,
     /// app being deleted → clusters that have not confirmed it is gone (or released).
     deleting: HashMap<AppKey, BTreeSet<String>>,
     /// Deleted apps no finalizer holds (it was removed by hand): forgotten as soon as
@@ -136,6 +145,7 @@ impl Index {
             };
         }
         let mut pushes = Vec::new();
+        let shared = Arc::new(key.clone());
         let before = self.placed.remove(key).unwrap_or_default();
         for cluster in before.iter().filter(|c| !plan.contains_key(*c)) {
             self.desired.remove(cluster, key);
@@ -146,7 +156,7 @@ impl Index {
             ));
         }
         for (cluster, want) in &plan {
-            let previous = self.desired.insert(cluster, key, want.clone());
+            let previous = self.desired.insert(cluster, &shared, want.clone());
             if let Desired::Apply(rendered) = want {
                 let unchanged =
                     matches!(&previous, Some(Desired::Apply(p)) if p.hash == rendered.hash);
@@ -177,6 +187,7 @@ impl Index {
                 .map(|(c, _)| c.clone()),
         );
         let mut pushes = Vec::new();
+        let shared = Arc::new(key.clone());
         let waiting = self.deleting.entry(key.clone()).or_default();
         for cluster in candidates {
             let before = self.desired.remove(&cluster, key);
@@ -196,7 +207,7 @@ impl Index {
             if orphan {
                 // Kept in the desired set so that reconnecting agents release it rather
                 // than collect it as an orphan.
-                self.desired.insert(&cluster, key, Desired::Release);
+                self.desired.insert(&cluster, &shared, Desired::Release);
             }
             waiting.insert(cluster);
         }
@@ -257,8 +268,11 @@ impl Index {
         cluster: &str,
         managed: &HashMap<AppKey, String>,
     ) -> (Vec<Push>, Vec<AppKey>) {
-        self.present
-            .insert(cluster.to_owned(), managed.keys().cloned().collect());
+        let held = managed
+            .keys()
+            .map(|key| self.desired.shared_key(cluster, key))
+            .collect();
+        self.present.insert(cluster.to_owned(), held);
         let mut pushes = Vec::new();
         let keys = self.desired_keys(cluster);
         if let Some(desired) = self.desired.get(cluster) {
@@ -307,7 +321,7 @@ impl Index {
         let mut keys: Vec<AppKey> = self
             .desired
             .get(cluster)
-            .map(|d| d.keys().cloned().collect())
+            .map(|d| d.keys().map(|k| AppKey::clone(k)).collect())
             .unwrap_or_default();
         keys.sort();
         keys
@@ -326,7 +340,7 @@ impl Index {
         };
         match held {
             Held::Present => {
-                apps.insert(key.clone());
+                apps.insert(self.desired.shared_key(cluster, key));
                 Vec::new()
             }
             Held::Failed => Vec::new(),
