@@ -21,8 +21,9 @@
 //! replace, stop and start components) and [`proxy`] (a link that can be cut).
 //!
 //! Then the commands: [`status`] (`flotilla-e2e status`), [`testcmd`] (`flotilla-e2e test`),
-//! [`demo`] and [`latency`].
+//! [`demo`] and [`bench`] (`flotilla-e2e bench <scenario>`: fan-out, resync, latency).
 
+pub mod bench;
 pub mod cluster;
 pub mod converge;
 pub mod deletions;
@@ -32,7 +33,6 @@ pub mod faults;
 pub mod federation;
 pub mod hubcli;
 pub mod kind;
-pub mod latency;
 pub mod local;
 pub mod process;
 pub mod proxy;

@@ -37,10 +37,13 @@ enum Cmd {
     Kubeconfig { name: String },
     /// Bring the environment up (if it is not) and apply the seed's FederatedMyApp on the host
     Demo,
-    /// Measure propagation latency (host write → member watch) against the watch floor
-    Latency {
-        #[arg(long, default_value_t = 100)]
-        samples: usize,
+    /// Benchmarks, each against a baseline measured in the same run (see BENCHMARKS.md)
+    Bench {
+        /// Also print the figures as one JSON object on the last line
+        #[arg(long, global = true)]
+        json: bool,
+        #[command(subcommand)]
+        scenario: flotilla_e2e::bench::Scenario,
     },
     /// Unit tests + the e2e suite; brings the environment up (and down again) if it is not running
     Test {
@@ -89,12 +92,9 @@ async fn run(cmd: Cmd, dir: PathBuf) -> Result<bool> {
             let env = flotilla_e2e::up(&dir, 2, Provider::Local).await?;
             flotilla_e2e::demo::demo(&env).await.map(|()| true)
         }
-        Cmd::Latency { samples } => {
-            let env = flotilla_e2e::up(&dir, 2, Provider::Local).await?;
-            flotilla_e2e::latency::latency(&env, samples)
-                .await
-                .map(|()| true)
-        }
+        Cmd::Bench { json, scenario } => flotilla_e2e::bench::run(scenario, json, &dir)
+            .await
+            .map(|()| true),
         Cmd::Test { members, provider } => {
             flotilla_e2e::testcmd::run(&dir, members, provider).await
         }

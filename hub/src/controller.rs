@@ -33,7 +33,7 @@ use crate::dispatch::Dispatcher;
 use crate::index::{AppKey, Desired};
 use crate::membership::{MemberChanges, registered};
 use crate::placement::Members;
-use crate::render::{self, ClusterError};
+use crate::render::{self, ClusterError, RenderedMyApp};
 use crate::status::{Outcome, Plan, StatusBoard};
 
 /// Holds each FederatedMyApp until every member has deleted (or released) its MyApp.
@@ -107,11 +107,17 @@ pub fn plan_app(app: &FederatedMyApp, members: &Members) -> (Plan, BTreeMap<Stri
         }
         Ok(rendered) => {
             plan.schedule = Some(rendered.schedule);
+            // Clusters without overrides of their own get the same bytes: one shared copy
+            // (and hash) per distinct content, not one per cluster.
+            let mut distinct: HashMap<String, (Arc<str>, Arc<RenderedMyApp>)> = HashMap::new();
             for (cluster, result) in rendered.clusters {
                 let outcome = match result {
                     Ok(r) => {
-                        let hash = r.hash.clone();
-                        desired.insert(cluster.clone(), Desired::Apply(Arc::new(r)));
+                        let (hash, shared) = distinct
+                            .entry(r.hash.clone())
+                            .or_insert_with(|| (Arc::from(r.hash.as_str()), Arc::new(r)))
+                            .clone();
+                        desired.insert(cluster.clone(), Desired::Apply(shared));
                         Outcome::Rendered { hash }
                     }
                     Err(ClusterError::UnknownCluster) => Outcome::Failed {
@@ -568,6 +574,31 @@ mod tests {
         assert!(
             matches!(&plan.clusters["c2"], Outcome::Failed { message } if message.contains("maximum of 10"))
         );
+    }
+
+    #[test]
+    fn clusters_that_render_the_same_bytes_share_one_copy() {
+        let a = app(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: a, namespace: n}\n\
+                     spec:\n  placement: {clusters: [{name: c1}, {name: c2}, {name: c3}]}\n  template: {spec: {replicas: 2}}\n  \
+                     overrides:\n  - clusterName: c3\n    clusterOverrides: [{path: /spec/replicas, value: 3}]\n",
+        );
+        let members: Members = ["c1", "c2", "c3"]
+            .map(|c| (c.to_owned(), Default::default()))
+            .into();
+        let (plan, desired) = plan_app(&a, &members);
+        let rendered = |c: &str| match &desired[c] {
+            Desired::Apply(r) => r.clone(),
+            other => panic!("{c}: {other:?}"),
+        };
+        let hash = |c: &str| match &plan.clusters[c] {
+            Outcome::Rendered { hash } => hash.clone(),
+            other => panic!("{c}: {other:?}"),
+        };
+        assert!(Arc::ptr_eq(&rendered("c1"), &rendered("c2")));
+        assert!(Arc::ptr_eq(&hash("c1"), &hash("c2")));
+        assert_eq!(*hash("c1"), *rendered("c1").hash);
+        assert_ne!(rendered("c1"), rendered("c3"), "c3's override is its own");
     }
 
     /// A capacity-only pass (every few seconds while pods come and go) must not drop

@@ -30,12 +30,43 @@ enum Slot {
     SyncComplete,
 }
 
+/// What waits in a slot. An object's change becomes its message only when it is sent, so
+/// that a queued Apply holds the shared rendered MyApp rather than a copy of its key and
+/// hash: a fleet connecting at once queues every pair.
+enum Queued {
+    Change(Change),
+    SyncComplete(pb::SyncComplete),
+}
+
+impl Queued {
+    fn into_message(self, slot: Slot) -> pb::HubMessage {
+        let kind = match (self, slot) {
+            (Queued::SyncComplete(sync), _) => Kind::SyncComplete(sync),
+            (Queued::Change(Change::Apply(r)), Slot::Object(key)) => Kind::Apply(pb::Apply {
+                key: Some(key.to_wire()),
+                hash: r.hash.clone(),
+                manifest: r.json.clone(),
+            }),
+            (Queued::Change(Change::Delete { orphan }), Slot::Object(key)) => {
+                Kind::Delete(pb::Delete {
+                    key: Some(key.to_wire()),
+                    orphan,
+                })
+            }
+            (Queued::Change(_), Slot::SyncComplete) => {
+                unreachable!("a change is queued in its object's slot")
+            }
+        };
+        pb::HubMessage { kind: Some(kind) }
+    }
+}
+
 /// The pending messages of one agent session.
 pub struct ClusterQueue {
     pub identity: Identity,
     id: u64,
     since: Instant,
-    pending: Mutex<IndexMap<Slot, pb::HubMessage>>,
+    pending: Mutex<IndexMap<Slot, Queued>>,
     notify: Notify,
     /// Fired when the session must end: a newer session of the same cluster, or its
     /// credential was revoked.
@@ -43,11 +74,11 @@ pub struct ClusterQueue {
 }
 
 impl ClusterQueue {
-    fn push(&self, slot: Slot, message: pb::HubMessage) {
+    fn push(&self, slot: Slot, queued: Queued) {
         if self.closed.is_cancelled() {
             return;
         }
-        self.pending.lock().insert(slot, message);
+        self.pending.lock().insert(slot, queued);
         self.notify.notify_one();
     }
 
@@ -62,7 +93,10 @@ impl ClusterQueue {
                 let mut pending = self.pending.lock();
                 if !pending.is_empty() {
                     let n = pending.len().min(max);
-                    return pending.drain(..n).map(|(_, m)| m).collect();
+                    return pending
+                        .drain(..n)
+                        .map(|(slot, queued)| queued.into_message(slot))
+                        .collect();
                 }
             }
             self.notify.notified().await;
@@ -266,10 +300,10 @@ impl Dispatcher {
         let desired = desired.iter().map(AppKey::to_wire).collect();
         queue.push(
             Slot::SyncComplete,
-            message(Kind::SyncComplete(pb::SyncComplete {
+            Queued::SyncComplete(pb::SyncComplete {
                 desired,
                 confirmed_collection: 0,
-            })),
+            }),
         );
         Ok(queue)
     }
@@ -284,10 +318,10 @@ impl Dispatcher {
         let desired = state.index.desired_keys(cluster);
         queue.push(
             Slot::SyncComplete,
-            message(Kind::SyncComplete(pb::SyncComplete {
+            Queued::SyncComplete(pb::SyncComplete {
                 desired: desired.iter().map(AppKey::to_wire).collect(),
                 confirmed_collection: confirmed,
-            })),
+            }),
         );
         true
     }
@@ -345,26 +379,10 @@ fn remove_session(state: &mut State, cluster: &str, id: Option<u64>) {
 
 fn route(state: &State, pushes: Vec<Push>) {
     for (cluster, key, change) in pushes {
-        let Some(queue) = state.sessions.get(&cluster) else {
-            continue;
-        };
-        let kind = match change {
-            Change::Apply(r) => Kind::Apply(pb::Apply {
-                key: Some(key.to_wire()),
-                hash: r.hash.clone(),
-                manifest: r.json.clone(),
-            }),
-            Change::Delete { orphan } => Kind::Delete(pb::Delete {
-                key: Some(key.to_wire()),
-                orphan,
-            }),
-        };
-        queue.push(Slot::Object(key), message(kind));
+        if let Some(queue) = state.sessions.get(&cluster) {
+            queue.push(Slot::Object(key), Queued::Change(change));
+        }
     }
-}
-
-fn message(kind: Kind) -> pb::HubMessage {
-    pb::HubMessage { kind: Some(kind) }
 }
 
 #[cfg(test)]

@@ -46,17 +46,78 @@ pub enum Held {
     Failed,
 }
 
+/// cluster → app → desired state, with its number of `Apply` entries kept in step: the
+/// pairs gauge reads it after every app change, and counting would take O(pairs). An
+/// app's clusters share one key, not a copy each.
+#[derive(Debug, Default)]
+struct DesiredPairs {
+    by_cluster: HashMap<String, HashMap<Arc<AppKey>, Desired>>,
+    applied: usize,
+}
+
+impl DesiredPairs {
+    fn get(&self, cluster: &str) -> Option<&HashMap<Arc<AppKey>, Desired>> {
+        self.by_cluster.get(cluster)
+    }
+
+    fn insert(&mut self, cluster: &str, key: &Arc<AppKey>, want: Desired) -> Option<Desired> {
+        self.applied += usize::from(is_apply(&want));
+        let previous = self
+            .by_cluster
+            .entry(cluster.to_owned())
+            .or_default()
+            .insert(key.clone(), want);
+        self.applied -= usize::from(previous.as_ref().is_some_and(is_apply));
+        previous
+    }
+
+    /// The cluster's own copy of `key` when it has one, to share rather than copy.
+    fn shared_key(&self, cluster: &str, key: &AppKey) -> Arc<AppKey> {
+        match self.get(cluster).and_then(|d| d.get_key_value(key)) {
+            Some((shared, _)) => shared.clone(),
+            None => Arc::new(key.clone()),
+        }
+    }
+
+    fn remove(&mut self, cluster: &str, key: &AppKey) -> Option<Desired> {
+        let removed = self.by_cluster.get_mut(cluster)?.remove(key);
+        self.applied -= usize::from(removed.as_ref().is_some_and(is_apply));
+        removed
+    }
+
+    fn remove_everywhere(&mut self, key: &AppKey) {
+        for apps in self.by_cluster.values_mut() {
+            let removed = apps.remove(key);
+            self.applied -= usize::from(removed.as_ref().is_some_and(is_apply));
+        }
+    }
+
+    fn retain_clusters(&mut self, registered: &BTreeSet<String>) {
+        self.by_cluster.retain(|cluster, apps| {
+            let keep = registered.contains(cluster);
+            if !keep {
+                self.applied -= apps.values().filter(|d| is_apply(d)).count();
+            }
+            keep
+        });
+    }
+}
+
+fn is_apply(want: &Desired) -> bool {
+    matches!(want, Desired::Apply(_))
+}
+
 #[derive(Debug, Default)]
 pub struct Index {
     /// cluster → app → desired state.
-    desired: HashMap<String, HashMap<AppKey, Desired>>,
+    desired: DesiredPairs,
     /// app → clusters with an entry in `desired`, to find them without a scan.
     placed: HashMap<AppKey, BTreeSet<String>>,
     /// app → the newest generation planned; older plans are ignored.
     generation: HashMap<AppKey, i64>,
     /// cluster → apps its agent manages, for clusters whose agent said Hello since it
     /// last connected; absent for the others, whose state is unknown.
-    present: HashMap<String, HashSet<AppKey>>,
+    present: HashMap<String, HashSet<Arc<AppKey>>>,
     /// app being deleted → clusters that have not confirmed it is gone (or released).
     deleting: HashMap<AppKey, BTreeSet<String>>,
     /// Deleted apps no finalizer holds (it was removed by hand): forgotten as soon as
@@ -84,9 +145,10 @@ impl Index {
             };
         }
         let mut pushes = Vec::new();
+        let shared = Arc::new(key.clone());
         let before = self.placed.remove(key).unwrap_or_default();
         for cluster in before.iter().filter(|c| !plan.contains_key(*c)) {
-            self.desired.get_mut(cluster).map(|d| d.remove(key));
+            self.desired.remove(cluster, key);
             pushes.push((
                 cluster.clone(),
                 key.clone(),
@@ -94,11 +156,7 @@ impl Index {
             ));
         }
         for (cluster, want) in &plan {
-            let previous = self
-                .desired
-                .entry(cluster.clone())
-                .or_default()
-                .insert(key.clone(), want.clone());
+            let previous = self.desired.insert(cluster, &shared, want.clone());
             if let Desired::Apply(rendered) = want {
                 let unchanged =
                     matches!(&previous, Some(Desired::Apply(p)) if p.hash == rendered.hash);
@@ -129,10 +187,10 @@ impl Index {
                 .map(|(c, _)| c.clone()),
         );
         let mut pushes = Vec::new();
+        let shared = Arc::new(key.clone());
         let waiting = self.deleting.entry(key.clone()).or_default();
         for cluster in candidates {
-            let desired = self.desired.entry(cluster.clone()).or_default();
-            let before = desired.remove(key);
+            let before = self.desired.remove(&cluster, key);
             let held = self.present.get(&cluster).map(|apps| apps.contains(key));
             // A connected agent that has not reported the MyApp may still be applying an
             // Apply sent this session: only "never sent, never held" is known absence.
@@ -149,7 +207,7 @@ impl Index {
             if orphan {
                 // Kept in the desired set so that reconnecting agents release it rather
                 // than collect it as an orphan.
-                desired.insert(key.clone(), Desired::Release);
+                self.desired.insert(&cluster, &shared, Desired::Release);
             }
             waiting.insert(cluster);
         }
@@ -186,9 +244,7 @@ impl Index {
         self.deleting.remove(key);
         self.unowned.remove(key);
         self.generation.remove(key);
-        for d in self.desired.values_mut() {
-            d.remove(key);
-        }
+        self.desired.remove_everywhere(key);
         self.placed.remove(key);
     }
 
@@ -198,7 +254,7 @@ impl Index {
         for waiting in self.deleting.values_mut() {
             waiting.retain(|c| registered.contains(c));
         }
-        self.desired.retain(|c, _| registered.contains(c));
+        self.desired.retain_clusters(registered);
         self.present.retain(|c, _| registered.contains(c));
         for clusters in self.placed.values_mut() {
             clusters.retain(|c| registered.contains(c));
@@ -212,24 +268,28 @@ impl Index {
         cluster: &str,
         managed: &HashMap<AppKey, String>,
     ) -> (Vec<Push>, Vec<AppKey>) {
-        self.present
-            .insert(cluster.to_owned(), managed.keys().cloned().collect());
+        let held = managed
+            .keys()
+            .map(|key| self.desired.shared_key(cluster, key))
+            .collect();
+        self.present.insert(cluster.to_owned(), held);
         let mut pushes = Vec::new();
         let keys = self.desired_keys(cluster);
-        let desired = self.desired.entry(cluster.to_owned()).or_default();
-        for key in &keys {
-            match (&desired[key], managed.get(key)) {
-                (Desired::Apply(r), hash) if hash != Some(&r.hash) => {
-                    pushes.push((cluster.to_owned(), key.clone(), Change::Apply(r.clone())));
+        if let Some(desired) = self.desired.get(cluster) {
+            for key in &keys {
+                match (&desired[key], managed.get(key)) {
+                    (Desired::Apply(r), hash) if hash != Some(&r.hash) => {
+                        pushes.push((cluster.to_owned(), key.clone(), Change::Apply(r.clone())));
+                    }
+                    (Desired::Release, Some(_)) => {
+                        pushes.push((
+                            cluster.to_owned(),
+                            key.clone(),
+                            Change::Delete { orphan: true },
+                        ));
+                    }
+                    _ => {}
                 }
-                (Desired::Release, Some(_)) => {
-                    pushes.push((
-                        cluster.to_owned(),
-                        key.clone(),
-                        Change::Delete { orphan: true },
-                    ));
-                }
-                _ => {}
             }
         }
         let mut gone = Vec::new();
@@ -261,7 +321,7 @@ impl Index {
         let mut keys: Vec<AppKey> = self
             .desired
             .get(cluster)
-            .map(|d| d.keys().cloned().collect())
+            .map(|d| d.keys().map(|k| AppKey::clone(k)).collect())
             .unwrap_or_default();
         keys.sort();
         keys
@@ -280,7 +340,7 @@ impl Index {
         };
         match held {
             Held::Present => {
-                apps.insert(key.clone());
+                apps.insert(self.desired.shared_key(cluster, key));
                 Vec::new()
             }
             Held::Failed => Vec::new(),
@@ -303,10 +363,8 @@ impl Index {
         };
         waiting.remove(cluster);
         let done = waiting.is_empty();
-        if let Some(d) = self.desired.get_mut(cluster)
-            && d.get(key) == Some(&Desired::Release)
-        {
-            d.remove(key);
+        if self.desired.get(cluster).and_then(|d| d.get(key)) == Some(&Desired::Release) {
+            self.desired.remove(cluster, key);
         }
         if done && self.unowned.contains(key) {
             self.forget(key);
@@ -326,11 +384,7 @@ impl Index {
 
     /// Number of (cluster, app) pairs with an `Apply`.
     pub fn applied_pairs(&self) -> usize {
-        self.desired
-            .values()
-            .flat_map(|d| d.values())
-            .filter(|d| matches!(d, Desired::Apply(_)))
-            .count()
+        self.desired.applied
     }
 }
 
@@ -545,6 +599,104 @@ mod tests {
         );
         ix.set_app(&key("b"), None, plan(&[("c1", rendered("h"))]));
         assert_eq!(ix.applied_pairs(), 2);
+    }
+
+    /// Every operation on the index, on a few apps and clusters, so that sequences of
+    /// them overlap.
+    #[derive(Debug, Clone)]
+    enum Op {
+        Set(u8, Option<i64>, Vec<(u8, u8)>),
+        Delete(u8, bool, Vec<u8>),
+        Drop(u8, bool),
+        Forget(u8),
+        Retain(Vec<u8>),
+        Connect(u8, Vec<(u8, u8)>),
+        Disconnect(u8),
+        Report(u8, u8, u8),
+    }
+
+    fn arb_op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        let app = || 0u8..4;
+        let cluster = || 0u8..4;
+        let clusters = || proptest::collection::vec(cluster(), 0..4);
+        // (cluster, what): 0–2 an Apply with that hash, 3 Keep, 4 Release.
+        let plan = proptest::collection::vec((cluster(), 0u8..5), 0..4);
+        prop_oneof![
+            (app(), proptest::option::of(0i64..3), plan).prop_map(|(a, g, p)| Op::Set(a, g, p)),
+            (app(), any::<bool>(), clusters()).prop_map(|(a, o, c)| Op::Delete(a, o, c)),
+            (app(), any::<bool>()).prop_map(|(a, o)| Op::Drop(a, o)),
+            app().prop_map(Op::Forget),
+            clusters().prop_map(Op::Retain),
+            (cluster(), proptest::collection::vec((app(), 0u8..3), 0..4))
+                .prop_map(|(c, m)| Op::Connect(c, m)),
+            cluster().prop_map(Op::Disconnect),
+            (cluster(), app(), 0u8..3).prop_map(|(c, a, h)| Op::Report(c, a, h)),
+        ]
+    }
+
+    fn run(ix: &mut Index, op: Op) {
+        let app = |a: u8| key(&format!("a{a}"));
+        let cluster = |c: u8| format!("c{c}");
+        match op {
+            Op::Set(a, generation, entries) => {
+                let plan = entries
+                    .into_iter()
+                    .map(|(c, what)| {
+                        let want = match what {
+                            3 => Desired::Keep,
+                            4 => Desired::Release,
+                            h => rendered(&format!("h{h}")),
+                        };
+                        (cluster(c), want)
+                    })
+                    .collect();
+                ix.set_app(&app(a), generation, plan);
+            }
+            Op::Delete(a, orphan, also) => {
+                let also: Vec<String> = also.into_iter().map(cluster).collect();
+                ix.delete_app(&app(a), orphan, &also);
+            }
+            Op::Drop(a, orphan) => {
+                ix.drop_app(&app(a), orphan);
+            }
+            Op::Forget(a) => ix.forget(&app(a)),
+            Op::Retain(clusters) => {
+                ix.retain_clusters(&clusters.into_iter().map(cluster).collect())
+            }
+            Op::Connect(c, managed) => {
+                let managed = managed
+                    .into_iter()
+                    .map(|(a, h)| (app(a), format!("h{h}")))
+                    .collect();
+                ix.connect(&cluster(c), &managed);
+            }
+            Op::Disconnect(c) => ix.disconnect(&cluster(c)),
+            Op::Report(c, a, held) => {
+                let held = [Held::Present, Held::Absent, Held::Failed][usize::from(held)];
+                ix.report(&cluster(c), &app(a), held);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_applied_count_always_equals_a_full_count(
+            ops in proptest::collection::vec(arb_op(), 1..40)
+        ) {
+            let mut ix = Index::default();
+            for op in ops {
+                run(&mut ix, op);
+                let counted = ix
+                    .desired
+                    .by_cluster
+                    .values()
+                    .flat_map(|d| d.values())
+                    .filter(|d| is_apply(d))
+                    .count();
+                proptest::prop_assert_eq!(ix.applied_pairs(), counted);
+            }
+        }
     }
 
     #[test]

@@ -34,8 +34,9 @@ use crate::schedule::{self, Schedule};
 /// How one cluster's rendering of an app came out.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    /// Rendered; the agent should report this hash.
-    Rendered { hash: String },
+    /// Rendered; the agent should report this hash (shared by the clusters that got the
+    /// same bytes).
+    Rendered { hash: Arc<str> },
     /// Not sent: why, in words for the user.
     Failed { message: String },
     /// NotReady past the failover grace period: its share runs elsewhere, its copy is
@@ -182,7 +183,7 @@ pub fn compute(
                         Reason::ApplyFailed,
                         format!("applying the MyApp failed (the agent retries): {e}"),
                     )),
-                    Some(r) if r.exists && &r.hash == hash => {
+                    Some(r) if r.exists && r.hash == **hash => {
                         entry.ready = r.ready && r.observed_generation >= r.generation;
                         if entry.ready {
                             ready_count += 1;
@@ -296,8 +297,50 @@ pub fn status_patch(status: &impl serde::Serialize, lists: &[&str]) -> Value {
 #[derive(Default)]
 struct Board {
     plans: HashMap<AppKey, Plan>,
+    /// cluster → apps whose plan names it, so that a connect or disconnect finds them
+    /// without scanning every plan. One shared key per app.
+    apps_on: HashMap<String, HashSet<Arc<AppKey>>>,
     reports: HashMap<AppKey, BTreeMap<String, Report>>,
     connected: HashSet<String>,
+}
+
+impl Board {
+    /// Makes `plan` the app's plan, moving the app between the clusters' sets.
+    fn insert_plan(&mut self, key: &AppKey, plan: Plan) {
+        let shared = Arc::new(key.clone());
+        for cluster in plan.clusters.keys() {
+            self.apps_on
+                .entry(cluster.clone())
+                .or_default()
+                .replace(shared.clone());
+        }
+        if let Some(previous) = self.plans.insert(key.clone(), plan) {
+            let now = &self.plans[key].clusters;
+            let left = previous.clusters.keys().filter(|c| !now.contains_key(*c));
+            remove_from(&mut self.apps_on, left, key);
+        }
+    }
+
+    fn remove_plan(&mut self, key: &AppKey) {
+        if let Some(plan) = self.plans.remove(key) {
+            remove_from(&mut self.apps_on, plan.clusters.keys(), key);
+        }
+    }
+}
+
+fn remove_from<'a>(
+    apps_on: &mut HashMap<String, HashSet<Arc<AppKey>>>,
+    clusters: impl Iterator<Item = &'a String>,
+    key: &AppKey,
+) {
+    for cluster in clusters {
+        if let Some(apps) = apps_on.get_mut(cluster) {
+            apps.remove(key);
+            if apps.is_empty() {
+                apps_on.remove(cluster);
+            }
+        }
+    }
 }
 
 /// Plans and reports of every app, and the apps whose status must be rewritten.
@@ -325,7 +368,7 @@ impl StatusBoard {
             )
         };
         let changed = errors(b.plans.get(key).unwrap_or(&Plan::default())) != errors(&plan);
-        b.plans.insert(key.clone(), plan);
+        b.insert_plan(key, plan);
         drop(b);
         self.dirty.mark(key.clone());
         changed
@@ -362,18 +405,17 @@ impl StatusBoard {
             return;
         }
         let keys: Vec<AppKey> = b
-            .plans
-            .iter()
-            .filter(|(_, p)| p.clusters.contains_key(cluster))
-            .map(|(k, _)| k.clone())
-            .collect();
+            .apps_on
+            .get(cluster)
+            .map(|apps| apps.iter().map(|k| AppKey::clone(k)).collect())
+            .unwrap_or_default();
         drop(b);
         self.dirty.mark_all(keys);
     }
 
     pub fn forget(&self, key: &AppKey) {
         let mut b = self.board.lock();
-        b.plans.remove(key);
+        b.remove_plan(key);
         b.reports.remove(key);
         self.dirty.forget(key);
     }
@@ -809,6 +851,60 @@ mod tests {
                 .contains_key("clusters")
         );
         assert!(patch["status"]["conditions"].is_array());
+    }
+
+    #[test]
+    fn the_board_knows_the_apps_on_each_cluster_as_its_plans_name_them() {
+        let board = StatusBoard::default();
+        let (a, b) = (AppKey::new("ns", "a"), AppKey::new("ns", "b"));
+        let failed = || Outcome::Failed {
+            message: "x".into(),
+        };
+        let check = || {
+            let b = board.board.lock();
+            for cluster in ["c1", "c2", "c3", "c4"] {
+                let scanned: HashSet<&AppKey> = b
+                    .plans
+                    .iter()
+                    .filter(|(_, p)| p.clusters.contains_key(cluster))
+                    .map(|(k, _)| k)
+                    .collect();
+                let indexed: HashSet<&AppKey> = b
+                    .apps_on
+                    .get(cluster)
+                    .map(|apps| apps.iter().map(|k| &**k).collect())
+                    .unwrap_or_default();
+                assert_eq!(indexed, scanned, "apps on {cluster}");
+            }
+            assert!(b.apps_on.values().all(|apps| !apps.is_empty()));
+        };
+        board.set_plan(&a, plan(&[("c1", rendered("h")), ("c2", failed())]));
+        board.set_plan(
+            &b,
+            plan(&[("c2", rendered("h")), ("c3", Outcome::FailedOver)]),
+        );
+        check();
+        board.set_plan(&a, plan(&[("c2", rendered("h")), ("c4", rendered("h"))]));
+        check();
+        board.set_plan(&b, plan(&[]));
+        check();
+        board.forget(&a);
+        board.forget(&a);
+        check();
+        assert!(board.board.lock().apps_on.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_connect_marks_the_apps_placed_on_that_cluster_only() {
+        let board = StatusBoard::default();
+        let (a, b) = (AppKey::new("ns", "a"), AppKey::new("ns", "b"));
+        board.set_plan(&a, plan(&[("c1", rendered("h"))]));
+        board.set_plan(&b, plan(&[("c2", rendered("h"))]));
+        let stop = CancellationToken::new();
+        board.dirty.take(Duration::ZERO, None, &stop).await;
+        board.connected("c1");
+        let marked = board.dirty.take(Duration::ZERO, None, &stop).await;
+        assert_eq!(marked, Some(vec![a]));
     }
 
     #[test]

@@ -1,0 +1,858 @@
+//! `bench fanout` and `bench resync`: one hub against K agents over real TLS on loopback.
+//!
+//! Three roles, two processes, so that the hub's figures are the hub's alone:
+//! - the **hub** runs in a child process (`flotilla-e2e bench serve hub`, this binary):
+//!   K MemberClusters in a reflector store, M FederatedMyApps planned with the
+//!   controller's own `plan_app` into the `Dispatcher` and the `StatusBoard`, and the
+//!   hub's `server::serve` (the tonic `FederationService`, TLS, keepalive, limits). It
+//!   has no host apiserver: the index is built the way the planner builds it after the
+//!   stores listed, and status is aggregated in memory but not written out;
+//! - the **floor** runs in the same kind of child (`bench serve floor`): a bare tonic
+//!   service streaming, per cluster, the same number of Apply messages of the same size,
+//!   then a SyncComplete listing the same keys, with no index, queue or authentication;
+//! - the **agents** are load generators in this (the parent) process: each dials with
+//!   the project's own client (TLS, bearer token), says Hello, acknowledges every Apply
+//!   with a StatusReport at once (nothing is applied: there is no member apiserver), and
+//!   after SyncComplete ends its half of the stream. The server ends the session only
+//!   after it has read everything before that end, so an agent is done when every pair
+//!   it received has been acknowledged to, and processed by, the server.
+//!
+//! The hub's peak RSS (VmHWM) and CPU time (utime + stime) are read from
+//! `/proc/<child pid>`; the 2 cores are still shared between the hub and the load
+//! generators, which the table shows beside it.
+
+use std::net::SocketAddr;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use bytes::Bytes;
+use flotilla_crds::{FederatedMyApp, MemberCluster};
+use flotilla_hub::auth::token_sha256;
+use flotilla_hub::controller::{key_of, plan_app};
+use flotilla_hub::dispatch::Dispatcher;
+use flotilla_hub::index::Desired;
+use flotilla_hub::membership::{self, Membership};
+use flotilla_hub::server::FederationService;
+use flotilla_hub::status::StatusBoard;
+use flotilla_proto::client::{self, Dial, MAX_MESSAGE};
+use flotilla_proto::v1::federation_server::{Federation, FederationServer};
+use flotilla_proto::v1::{self as pb, agent_message, hub_message};
+use kube::runtime::{reflector, watcher};
+use prost::Message as _;
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Identity, Server, ServerTlsConfig};
+use tonic::{Request, Response, Status, Streaming};
+
+use super::procstat;
+use super::{Report, cell, round};
+
+const CERT_VAR: &str = "FLOTILLA_BENCH_CERT_PEM";
+const KEY_VAR: &str = "FLOTILLA_BENCH_KEY_PEM";
+/// How long a server may take to plan everything before it listens (1M pairs included).
+const SETUP_TIMEOUT: Duration = Duration::from_secs(1800);
+
+/// K clusters, M apps, each placed on P of the clusters.
+#[derive(clap::Args, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size {
+    /// Member clusters K (one load-generating agent each)
+    #[arg(long, default_value_t = 50)]
+    pub clusters: usize,
+    /// FederatedMyApps M
+    #[arg(long, default_value_t = 1000)]
+    pub apps: usize,
+    /// Clusters P each app is placed on (an explicit list; one override each)
+    #[arg(long = "per-app", default_value_t = 10)]
+    pub per_app: usize,
+}
+
+impl Size {
+    pub fn pairs(&self) -> usize {
+        self.apps * self.per_app
+    }
+
+    /// The clusters app `app` is placed on: P consecutive ones, starting where the
+    /// previous app's ended, so that every cluster gets the same share.
+    pub fn placement(&self, app: usize) -> impl Iterator<Item = usize> + use<> {
+        let (start, k) = (app * self.per_app, self.clusters);
+        (0..self.per_app).map(move |j| (start + j) % k)
+    }
+
+    /// Each cluster's apps, in app order.
+    pub fn apps_by_cluster(&self) -> Vec<Vec<u32>> {
+        let mut by = vec![Vec::new(); self.clusters];
+        for a in 0..self.apps {
+            for c in self.placement(a) {
+                by[c].push(a as u32);
+            }
+        }
+        by
+    }
+
+    pub fn check(&self) -> Result<()> {
+        ensure!(
+            self.clusters > 0 && self.apps > 0 && self.per_app > 0,
+            "--clusters, --apps and --per-app must be positive"
+        );
+        ensure!(
+            self.per_app <= self.clusters,
+            "--per-app ({}) cannot exceed --clusters ({})",
+            self.per_app,
+            self.clusters
+        );
+        Ok(())
+    }
+
+    fn args(&self) -> Vec<String> {
+        vec![
+            "--clusters".into(),
+            self.clusters.to_string(),
+            "--apps".into(),
+            self.apps.to_string(),
+            "--per-app".into(),
+            self.per_app.to_string(),
+        ]
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} clusters, {} apps on {} clusters each = {} pairs",
+            self.clusters,
+            self.apps,
+            self.per_app,
+            self.pairs()
+        )
+    }
+}
+
+pub fn cluster_name(i: usize) -> String {
+    format!("member{i:04}")
+}
+
+fn cluster_index(name: &str) -> Option<usize> {
+    name.strip_prefix("member")?.parse().ok()
+}
+
+fn app_name(a: usize) -> String {
+    format!("app{a:06}")
+}
+
+fn token(cluster: &str) -> String {
+    format!("{cluster}.bench-secret")
+}
+
+/// App `a`: placed by an explicit list, one override (replicas on its first cluster), and
+/// a config entry of its own so that no two apps render the same bytes.
+pub fn fed_app(a: usize, size: &Size) -> FederatedMyApp {
+    let clusters: Vec<String> = size.placement(a).map(cluster_name).collect();
+    serde_json::from_value(json!({
+        "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+        "metadata": {"name": app_name(a), "namespace": "default", "generation": 1},
+        "spec": {
+            "placement": {"clusters": clusters.iter().map(|c| json!({"name": c})).collect::<Vec<_>>()},
+            "template": {"spec": {"replicas": 2, "image": "nginx:1.27", "config": {"a.conf": format!("id={a}")}}},
+            "overrides": [{"clusterName": clusters[0], "clusterOverrides": [{"path": "/spec/replicas", "value": 3}]}]
+        }
+    }))
+    .expect("the bench FederatedMyApp is valid")
+}
+
+fn member_cluster(name: &str) -> MemberCluster {
+    serde_json::from_value(json!({
+        "apiVersion": "core.kubefed.io/v1beta1", "kind": "MemberCluster",
+        "metadata": {"name": name},
+        "spec": {"tokenSha256": token_sha256(&token(name))}
+    }))
+    .expect("the bench MemberCluster is valid")
+}
+
+// ---------------------------------------------------------------------------------------
+// The servers (child processes)
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The hub's FederationService over its planned index
+    Hub,
+    /// A bare tonic stream of the same messages
+    Floor,
+}
+
+impl Role {
+    fn as_str(self) -> &'static str {
+        match self {
+            Role::Hub => "hub",
+            Role::Floor => "floor",
+        }
+    }
+}
+
+/// `bench serve <role>`: sets up, prints `ready <addr> <setup seconds>`, serves until
+/// stdin closes.
+pub async fn serve(role: Role, size: Size) -> Result<()> {
+    size.check()?;
+    let cert = std::env::var(CERT_VAR).with_context(|| format!("{CERT_VAR} is not set"))?;
+    let key = std::env::var(KEY_VAR).with_context(|| format!("{KEY_VAR} is not set"))?;
+    let identity = Identity::from_pem(cert, key);
+    let addr: SocketAddr = crate::support::free_addr()?.parse()?;
+    let shutdown = CancellationToken::new();
+    let start = Instant::now();
+    // Held while serving: the hub closes its sessions when leadership ends.
+    let (_leading, leading) = tokio::sync::watch::channel(true);
+    let mut apps = Vec::new();
+    let server = match role {
+        Role::Hub => {
+            let (service, planned) = hub_service(&size, leading)?;
+            apps = planned;
+            tokio::spawn(flotilla_hub::server::serve(
+                addr,
+                identity,
+                service,
+                shutdown.clone(),
+            ))
+        }
+        Role::Floor => {
+            let bare = Bare::new(&size)?;
+            let listener = tokio::net::TcpListener::bind(addr).await?;
+            let router = Server::builder()
+                .tls_config(ServerTlsConfig::new().identity(identity))?
+                .add_service(
+                    FederationServer::new(bare)
+                        .max_decoding_message_size(MAX_MESSAGE)
+                        .max_encoding_message_size(MAX_MESSAGE),
+                );
+            let stop = shutdown.clone();
+            tokio::spawn(async move {
+                router
+                    .serve_with_incoming_shutdown(
+                        TcpListenerStream::new(listener),
+                        stop.cancelled_owned(),
+                    )
+                    .await
+                    .context("serving the floor")
+            })
+        }
+    };
+    let setup = start.elapsed();
+    crate::wait_for(Duration::from_secs(10), "the server to listen", || async {
+        Ok(tokio::net::TcpStream::connect(addr).await.ok().map(|_| ()))
+    })
+    .await?;
+    println!("ready {addr} {}", setup.as_secs_f64());
+    // Serve until the parent closes stdin (or dies).
+    let mut sink = Vec::new();
+    let _ = tokio::io::stdin().read_to_end(&mut sink).await;
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    drop(apps);
+    Ok(())
+}
+
+/// The hub's service over an index planned the way the planner plans it.
+fn hub_service(
+    size: &Size,
+    leading: tokio::sync::watch::Receiver<bool>,
+) -> Result<(FederationService, Vec<FederatedMyApp>)> {
+    let (store, mut writer) = reflector::store::<MemberCluster>();
+    writer.apply_watcher_event(&watcher::Event::Init);
+    for i in 0..size.clusters {
+        writer.apply_watcher_event(&watcher::Event::InitApply(member_cluster(&cluster_name(i))));
+    }
+    writer.apply_watcher_event(&watcher::Event::InitDone);
+    let members = membership::registered(&store);
+    let dispatcher = Arc::new(Dispatcher::default());
+    let status = Arc::new(StatusBoard::default());
+    // Returned and kept while serving, as the hub's FederatedMyApp store keeps them.
+    let mut apps = Vec::with_capacity(size.apps);
+    let mut pairs = 0;
+    for a in 0..size.apps {
+        let app = fed_app(a, size);
+        let key = key_of(&app);
+        let (plan, desired) = plan_app(&app, &members);
+        pairs += desired
+            .values()
+            .filter(|d| matches!(d, Desired::Apply(_)))
+            .count();
+        dispatcher.set_app(&key, app.metadata.generation, desired);
+        status.set_plan(&key, plan);
+        apps.push(app);
+    }
+    ensure!(
+        pairs == size.pairs(),
+        "planned {pairs} pairs, expected {}",
+        size.pairs()
+    );
+    dispatcher.planned_for(members.into_keys().collect());
+    let service = FederationService {
+        dispatcher,
+        status,
+        membership: Arc::new(Membership::new(Duration::from_secs(60))),
+        members: store,
+        leading,
+        // No host: its only Event (a held-back collection) never happens here.
+        recorder: kube::runtime::events::Recorder::new(
+            kube::Client::try_from(kube::Config::new("http://127.0.0.1:1".parse()?))?,
+            "flotilla-hub-bench".into(),
+        ),
+    };
+    Ok((service, apps))
+}
+
+/// The floor: streams prebuilt messages, reads the acknowledgements, nothing else.
+struct Bare {
+    apps_by_cluster: Arc<Vec<Vec<u32>>>,
+    hash: String,
+    manifest: Bytes,
+    live: Arc<AtomicUsize>,
+}
+
+impl Bare {
+    fn new(size: &Size) -> Result<Bare> {
+        // One app's rendered bytes, the same size as every app's.
+        let members = (0..size.clusters)
+            .map(|i| (cluster_name(i), Default::default()))
+            .collect();
+        let (_, desired) = plan_app(&fed_app(0, size), &members);
+        let Some(Desired::Apply(one)) = desired.into_values().last() else {
+            bail!("the sample app did not render");
+        };
+        Ok(Bare {
+            apps_by_cluster: Arc::new(size.apps_by_cluster()),
+            hash: one.hash.clone(),
+            manifest: one.json.clone(),
+            live: Arc::default(),
+        })
+    }
+}
+
+fn object_key(a: usize) -> pb::ObjectKey {
+    pb::ObjectKey {
+        namespace: "default".into(),
+        name: app_name(a),
+    }
+}
+
+#[tonic::async_trait]
+impl Federation for Bare {
+    type SessionStream = ReceiverStream<Result<pb::HubMessage, Status>>;
+
+    async fn session(
+        &self,
+        request: Request<Streaming<pb::AgentMessage>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let mut inbound = request.into_inner();
+        let cluster = match inbound.message().await? {
+            Some(pb::AgentMessage {
+                kind: Some(agent_message::Kind::Hello(h)),
+            }) => h.cluster,
+            _ => return Err(Status::invalid_argument("Hello first")),
+        };
+        let apps = cluster_index(&cluster)
+            .and_then(|i| self.apps_by_cluster.get(i))
+            .ok_or_else(|| Status::not_found(cluster))?
+            .clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let (hash, manifest, live) = (self.hash.clone(), self.manifest.clone(), self.live.clone());
+        live.fetch_add(1, Ordering::SeqCst);
+        tokio::spawn(async move {
+            for &a in &apps {
+                let apply = pb::Apply {
+                    key: Some(object_key(a as usize)),
+                    hash: hash.clone(),
+                    manifest: manifest.clone(),
+                };
+                let m = pb::HubMessage {
+                    kind: Some(hub_message::Kind::Apply(apply)),
+                };
+                if tx.send(Ok(m)).await.is_err() {
+                    break;
+                }
+            }
+            let sync = pb::SyncComplete {
+                desired: apps.iter().map(|&a| object_key(a as usize)).collect(),
+                confirmed_collection: 0,
+            };
+            let _ = tx
+                .send(Ok(pb::HubMessage {
+                    kind: Some(hub_message::Kind::SyncComplete(sync)),
+                }))
+                .await;
+            // Read the acknowledgements until the agent ends its stream, then end ours.
+            while let Ok(Some(_)) = inbound.message().await {}
+            live.fetch_sub(1, Ordering::SeqCst);
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// A server child process.
+struct Child {
+    child: tokio::process::Child,
+    stdin: Option<tokio::process::ChildStdin>,
+    pid: u32,
+    addr: SocketAddr,
+    setup_s: f64,
+}
+
+impl Child {
+    async fn start(
+        role: Role,
+        size: &Size,
+        tls: &flotilla_common::tls::SelfSigned,
+    ) -> Result<Child> {
+        let exe = std::env::current_exe().context("locating this binary")?;
+        let mut child = tokio::process::Command::new(exe)
+            .args(["bench", "serve", role.as_str()])
+            .args(size.args())
+            .env(CERT_VAR, &tls.cert_pem)
+            .env(KEY_VAR, &tls.key_pem)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting the bench server")?;
+        let pid = child.id().context("the bench server has no pid")?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().context("no stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(SETUP_TIMEOUT, lines.next_line())
+            .await
+            .context("the bench server did not get ready")??
+            .with_context(|| format!("the {} server exited before it was ready", role.as_str()))?;
+        let mut words = line.split_whitespace();
+        let (Some("ready"), Some(addr), Some(setup)) = (words.next(), words.next(), words.next())
+        else {
+            bail!("unexpected line from the bench server: {line:?}");
+        };
+        Ok(Child {
+            child,
+            stdin,
+            pid,
+            addr: addr.parse()?,
+            setup_s: setup.parse()?,
+        })
+    }
+
+    /// Closes its stdin and waits for it to exit (kills it after 30 s).
+    async fn stop(mut self) -> Result<()> {
+        drop(self.stdin.take());
+        match tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await {
+            Ok(status) => {
+                status?;
+            }
+            Err(_) => {
+                self.child.kill().await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The agents (load generators, in this process)
+
+/// What one agent saw in one session.
+#[derive(Debug, Default, Clone)]
+pub struct AgentRun {
+    pub applies: u64,
+    pub deletes: u64,
+    /// Encoded size of the Apply and Delete messages received.
+    pub apply_bytes: u64,
+    /// Encoded size of the SyncComplete received.
+    pub sync_bytes: u64,
+    /// From the start of the phase to this agent's SyncComplete.
+    pub to_sync: Duration,
+    /// What it holds afterwards (only when asked to keep it).
+    pub held: Vec<pb::Managed>,
+    /// Sessions that failed to open and were opened again.
+    pub retries: u64,
+}
+
+async fn dial(addr: SocketAddr, ca: &str, cluster: &str) -> Result<client::HubClient> {
+    let dial = Dial {
+        hub: format!("https://{addr}"),
+        ca_pem: ca.as_bytes().to_vec(),
+        server_name: Some("localhost".into()),
+        token: token(cluster),
+        keepalive: Duration::from_secs(30),
+        keepalive_timeout: Duration::from_secs(30),
+    };
+    let mut attempt = 0;
+    loop {
+        match client::connect(&dial).await {
+            Ok(c) => return Ok(c),
+            Err(e) if attempt >= 5 => return Err(e).context(format!("{cluster}: dialling")),
+            Err(_) => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(200 * attempt)).await;
+            }
+        }
+    }
+}
+
+/// One load-generating agent: Hello with `managed`, an immediate StatusReport for every
+/// Apply, and after SyncComplete the end of its stream; done when the server has read
+/// it all and ended the session.
+async fn agent(
+    addr: SocketAddr,
+    ca: Arc<String>,
+    cluster: String,
+    managed: Vec<pb::Managed>,
+    keep: bool,
+    start: Instant,
+) -> Result<AgentRun> {
+    let hello = pb::Hello {
+        cluster: cluster.clone(),
+        agent_version: "bench-load-generator".into(),
+        kubernetes_version: "none (load generator)".into(),
+        managed,
+        cluster_uid: String::new(),
+    };
+    // Like an agent, retry a session the hub refused or dropped while opening it (seen
+    // under heavy load: the connection broke before the response headers).
+    let mut retries = 0;
+    let (tx, mut inbound) = loop {
+        let opened = async {
+            let mut hub = dial(addr, &ca, &cluster).await?;
+            client::open_session(&mut hub, hello.clone(), 64)
+                .await
+                .with_context(|| format!("{cluster}: opening the session"))
+        };
+        match opened.await {
+            Ok(session) => break session,
+            Err(e) if retries >= 5 => return Err(e),
+            Err(e) => {
+                retries += 1;
+                eprintln!("bench: {e:#}; retrying ({retries})");
+                tokio::time::sleep(Duration::from_millis(500 * retries)).await;
+            }
+        }
+    };
+    let mut run = AgentRun {
+        retries,
+        ..AgentRun::default()
+    };
+    loop {
+        let m = inbound
+            .message()
+            .await
+            .with_context(|| format!("{cluster}: reading the session"))?
+            .with_context(|| format!("{cluster}: the session ended before SyncComplete"))?;
+        let len = m.encoded_len() as u64;
+        match m.kind {
+            Some(hub_message::Kind::Apply(a)) => {
+                run.applies += 1;
+                run.apply_bytes += len;
+                let ack = pb::StatusReport {
+                    key: a.key.clone(),
+                    hash: a.hash.clone(),
+                    exists: true,
+                    ready: true,
+                    ready_replicas: 2,
+                    observed_generation: 1,
+                    generation: 1,
+                    ..Default::default()
+                };
+                if keep {
+                    run.held.push(pb::Managed {
+                        key: a.key,
+                        hash: a.hash,
+                    });
+                }
+                tx.send(pb::AgentMessage {
+                    kind: Some(agent_message::Kind::Status(ack)),
+                })
+                .await
+                .with_context(|| format!("{cluster}: the session closed"))?;
+            }
+            Some(hub_message::Kind::Delete(_)) => {
+                run.deletes += 1;
+                run.apply_bytes += len;
+            }
+            Some(hub_message::Kind::SyncComplete(_)) => {
+                run.sync_bytes += len;
+                run.to_sync = start.elapsed();
+                break;
+            }
+            None => {}
+        }
+    }
+    // End our half; the server reads up to the end, in order, then ends the session.
+    drop(tx);
+    while let Ok(Some(_)) = inbound.message().await {}
+    Ok(run)
+}
+
+/// Every agent at once; returns when every one is done.
+async fn run_agents(
+    addr: SocketAddr,
+    ca: &str,
+    size: &Size,
+    mut managed: Vec<Vec<pb::Managed>>,
+    keep: bool,
+) -> Result<(Duration, Vec<AgentRun>)> {
+    let ca = Arc::new(ca.to_owned());
+    managed.resize(size.clusters, Vec::new());
+    let start = Instant::now();
+    let tasks: Vec<_> = managed
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| tokio::spawn(agent(addr, ca.clone(), cluster_name(i), m, keep, start)))
+        .collect();
+    let mut runs = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        runs.push(t.await??);
+    }
+    Ok((start.elapsed(), runs))
+}
+
+/// One phase against one server: its time, and the server's and the load generators'
+/// resources over it.
+#[derive(Debug, Clone)]
+struct Phase {
+    seconds: f64,
+    /// The latest SyncComplete.
+    to_sync_s: f64,
+    applies: u64,
+    apply_bytes: u64,
+    sync_bytes: u64,
+    server_cpu_s: f64,
+    server_peak_rss_mib: f64,
+    loadgen_cpu_s: f64,
+    retries: u64,
+    runs: Vec<AgentRun>,
+}
+
+async fn phase(
+    server: &Child,
+    ca: &str,
+    size: &Size,
+    managed: Vec<Vec<pb::Managed>>,
+    keep: bool,
+) -> Result<Phase> {
+    let (s0, l0) = (procstat::sample(Some(server.pid))?, procstat::sample(None)?);
+    let (elapsed, runs) = run_agents(server.addr, ca, size, managed, keep).await?;
+    let (s1, l1) = (procstat::sample(Some(server.pid))?, procstat::sample(None)?);
+    Ok(Phase {
+        seconds: elapsed.as_secs_f64(),
+        to_sync_s: runs
+            .iter()
+            .map(|r| r.to_sync.as_secs_f64())
+            .fold(0.0, f64::max),
+        applies: runs.iter().map(|r| r.applies).sum(),
+        apply_bytes: runs.iter().map(|r| r.apply_bytes).sum(),
+        sync_bytes: runs.iter().map(|r| r.sync_bytes).sum(),
+        server_cpu_s: s1.cpu_s - s0.cpu_s,
+        server_peak_rss_mib: s1.peak_rss_mib,
+        loadgen_cpu_s: l1.cpu_s - l0.cpu_s,
+        retries: runs.iter().map(|r| r.retries).sum(),
+        runs,
+    })
+}
+
+fn tls() -> Result<flotilla_common::tls::SelfSigned> {
+    Ok(flotilla_common::tls::self_signed(
+        "flotilla bench CA",
+        "flotilla-bench",
+        &["localhost".into()],
+    )?)
+}
+
+const HOW: &str = "TLS gRPC on loopback; hub and floor each in their own process; the agents are load generators in this process that acknowledge every Apply with a StatusReport (no member apiserver)";
+
+/// `bench fanout`.
+pub async fn fanout(size: Size) -> Result<Report> {
+    size.check()?;
+    let tls = tls()?;
+    let pairs = size.pairs() as f64;
+
+    eprintln!("bench fanout: {}: floor", size.describe());
+    let floor_server = Child::start(Role::Floor, &size, &tls).await?;
+    let floor = phase(&floor_server, &tls.ca_pem, &size, Vec::new(), false).await;
+    floor_server.stop().await?;
+    let floor = floor?;
+    ensure!(
+        floor.applies as usize == size.pairs(),
+        "the floor delivered {} Applies, expected {}",
+        floor.applies,
+        size.pairs()
+    );
+
+    eprintln!(
+        "bench fanout: {}: hub (planning every pair first)",
+        size.describe()
+    );
+    let hub_server = Child::start(Role::Hub, &size, &tls).await?;
+    let setup = procstat::sample(Some(hub_server.pid))?;
+    let hub_setup_s = hub_server.setup_s;
+    let hub = phase(&hub_server, &tls.ca_pem, &size, Vec::new(), false).await;
+    hub_server.stop().await?;
+    let hub = hub?;
+    ensure!(
+        hub.applies as usize == size.pairs(),
+        "the hub delivered {} Applies, expected {} (every pair exactly once)",
+        hub.applies,
+        size.pairs()
+    );
+
+    let rate = |s: f64| pairs / s;
+    let row = |what: &str, p: &Phase| {
+        vec![
+            what.to_owned(),
+            cell(p.seconds, 2),
+            cell(rate(p.seconds), 0),
+            cell(p.seconds / floor.seconds, 2),
+            cell(p.server_peak_rss_mib, 0),
+            cell(p.server_cpu_s, 2),
+            cell(p.loadgen_cpu_s, 2),
+        ]
+    };
+    let report = Report {
+        preamble: vec![
+            format!("fan-out: {}", size.describe()),
+            HOW.to_owned(),
+            "seconds: all agents dial → every pair pushed and its acknowledgement read by the server".to_owned(),
+        ],
+        header: [
+            "case",
+            "seconds",
+            "pushes/s",
+            "× floor",
+            "server peak RSS MiB",
+            "server CPU s",
+            "load gen CPU s",
+        ]
+        .map(String::from)
+        .to_vec(),
+        rows: vec![
+            row("floor: bare tonic stream, same messages", &floor),
+            row("hub: auth, index diff, queues, reports", &hub),
+        ],
+        notes: vec![
+            format!(
+                "hub set-up before the agents (plan_app: placement, overrides, render, hash; index; status board): {:.2} s ({:.0} pairs/s), {:.2} CPU s, RSS {:.0} MiB after it",
+                hub_setup_s,
+                pairs / hub_setup_s.max(1e-9),
+                setup.cpu_s,
+                setup.rss_mib
+            ),
+            format!(
+                "hub from cold (set-up + fan-out): {:.2} s, {:.2} CPU s in total",
+                hub_setup_s + hub.seconds,
+                setup.cpu_s + hub.server_cpu_s
+            ),
+            format!(
+                "sessions opened again after a refusal or a broken connection: floor {}, hub {}",
+                floor.retries, hub.retries
+            ),
+        ],
+        json: json!({
+            "scenario": "fanout",
+            "clusters": size.clusters,
+            "apps": size.apps,
+            "per_app": size.per_app,
+            "pairs": size.pairs(),
+            "seconds": round(hub.seconds, 3),
+            "pushes_per_s": round(rate(hub.seconds), 0),
+            "hub_peak_rss_mib": round(hub.server_peak_rss_mib, 1),
+            "hub_cpu_s": round(hub.server_cpu_s, 2),
+            "hub_setup_s": round(hub_setup_s, 3),
+            "hub_setup_cpu_s": round(setup.cpu_s, 2),
+            "hub_rss_after_setup_mib": round(setup.rss_mib, 1),
+            "floor_seconds": round(floor.seconds, 3),
+            "floor_pushes_per_s": round(rate(floor.seconds), 0),
+            "floor_peak_rss_mib": round(floor.server_peak_rss_mib, 1),
+            "floor_cpu_s": round(floor.server_cpu_s, 2),
+            "session_retries": hub.retries,
+        }),
+    };
+    Ok(report)
+}
+
+/// `bench resync`: the agents sync once with nothing applied (the baseline), the hub
+/// process is stopped and a new one plans everything again, and the agents reconnect
+/// saying in Hello that they hold every MyApp at its current hash. Target: no Apply.
+pub async fn resync(size: Size) -> Result<Report> {
+    size.check()?;
+    let tls = tls()?;
+    eprintln!(
+        "bench resync: {}: first sync, agents holding nothing",
+        size.describe()
+    );
+    let first = Child::start(Role::Hub, &size, &tls).await?;
+    let cold = phase(&first, &tls.ca_pem, &size, Vec::new(), true).await;
+    first.stop().await?;
+    let mut cold = cold?;
+    let held: Vec<Vec<pb::Managed>> = cold
+        .runs
+        .iter_mut()
+        .map(|r| std::mem::take(&mut r.held))
+        .collect();
+    eprintln!("bench resync: hub restarted; agents reconnect holding everything");
+    let second = Child::start(Role::Hub, &size, &tls).await?;
+    let warm = phase(&second, &tls.ca_pem, &size, held, false).await;
+    second.stop().await?;
+    let warm = warm?;
+
+    let row = |what: &str, p: &Phase| {
+        vec![
+            what.to_owned(),
+            p.applies.to_string(),
+            p.apply_bytes.to_string(),
+            p.sync_bytes.to_string(),
+            cell(p.to_sync_s, 2),
+            cell(p.server_cpu_s, 2),
+        ]
+    };
+    Ok(Report {
+        preamble: vec![
+            format!("resync after a hub restart: {}", size.describe()),
+            HOW.to_owned(),
+            "bytes: protobuf-encoded messages from the hub; seconds: all agents dial → the last SyncComplete".to_owned(),
+        ],
+        header: [
+            "case",
+            "Apply messages",
+            "Apply bytes",
+            "SyncComplete bytes",
+            "seconds",
+            "hub CPU s",
+        ]
+        .map(String::from)
+        .to_vec(),
+        rows: vec![
+            row("baseline: first sync, agents hold nothing", &cold),
+            row("resync: new hub, agents hold everything", &warm),
+        ],
+        notes: vec![
+            format!(
+                "target: 0 Apply messages on an unchanged resync ({})",
+                if warm.applies == 0 { "met" } else { "missed" }
+            ),
+            format!(
+                "sessions opened again after a refusal or a broken connection: baseline {}, resync {}",
+                cold.retries, warm.retries
+            ),
+        ],
+        json: json!({
+            "scenario": "resync",
+            "clusters": size.clusters,
+            "apps": size.apps,
+            "per_app": size.per_app,
+            "pairs": size.pairs(),
+            "apply_messages": warm.applies,
+            "bytes": warm.apply_bytes + warm.sync_bytes,
+            "apply_bytes": warm.apply_bytes,
+            "seconds": round(warm.to_sync_s, 3),
+            "hub_cpu_s": round(warm.server_cpu_s, 2),
+            "baseline_apply_messages": cold.applies,
+            "baseline_bytes": cold.apply_bytes + cold.sync_bytes,
+            "baseline_seconds": round(cold.to_sync_s, 3),
+        }),
+    })
+}

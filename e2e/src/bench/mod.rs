@@ -1,0 +1,158 @@
+//! `flotilla-e2e bench <scenario> [--json]`: every figure of `BENCHMARKS.md` from one
+//! command. Each scenario measures its baseline in the same run and prints one table;
+//! with `--json`, one JSON object on the last line of stdout. Progress goes to stderr.
+//! Timings are reported, never asserted.
+//!
+//! - [`fanout`]: one hub process against K load-generating agents over real TLS, and the
+//!   floor (a bare tonic stream of the same messages); also `resync`, the same agents
+//!   reconnecting to a restarted hub with everything applied,
+//! - [`latency`]: host write → member watch on the real environment, against two watch
+//!   round trips,
+//! - [`stats`]: percentiles, the bootstrap interval and the verdict (pure, tested),
+//! - [`procstat`]: peak RSS and CPU time of one process, from `/proc`.
+
+pub mod fanout;
+pub mod latency;
+pub mod procstat;
+pub mod stats;
+
+use serde_json::Value;
+
+/// A scenario's result: a table for people, an object for machines.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// Lines printed above the table (what was measured, how).
+    pub preamble: Vec<String>,
+    pub header: Vec<String>,
+    pub rows: Vec<Vec<String>>,
+    /// Lines printed below the table (targets, verdicts).
+    pub notes: Vec<String>,
+    pub json: Value,
+}
+
+impl Report {
+    /// The table with columns padded to their widest cell; the first column left-aligned,
+    /// the others right-aligned.
+    pub fn table(&self) -> String {
+        let columns = self.header.len();
+        let mut widths = vec![0; columns];
+        for row in std::iter::once(&self.header).chain(&self.rows) {
+            for (i, cell) in row.iter().enumerate().take(columns) {
+                widths[i] = widths[i].max(cell.chars().count());
+            }
+        }
+        let line = |row: &Vec<String>| {
+            let cells: Vec<String> = row
+                .iter()
+                .enumerate()
+                .take(columns)
+                .map(|(i, c)| {
+                    if i == 0 {
+                        format!("{c:<w$}", w = widths[i])
+                    } else {
+                        format!("{c:>w$}", w = widths[i])
+                    }
+                })
+                .collect();
+            cells.join("  ").trim_end().to_owned()
+        };
+        let mut out = String::new();
+        for l in &self.preamble {
+            out.push_str(l);
+            out.push('\n');
+        }
+        out.push_str(&line(&self.header));
+        out.push('\n');
+        for row in &self.rows {
+            out.push_str(&line(row));
+            out.push('\n');
+        }
+        for l in &self.notes {
+            out.push_str(l);
+            out.push('\n');
+        }
+        out
+    }
+
+    /// Prints the table, then (with `json`) the object on one last line.
+    pub fn print(&self, json: bool) {
+        print!("{}", self.table());
+        if json {
+            println!("{}", self.json);
+        }
+    }
+}
+
+/// `x` with `digits` decimals, as a table cell.
+pub fn cell(x: f64, digits: usize) -> String {
+    format!("{x:.digits$}")
+}
+
+/// Rounded for JSON: figures carry no more precision than was measured.
+pub fn round(x: f64, digits: i32) -> f64 {
+    let f = 10f64.powi(digits);
+    (x * f).round() / f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_aligns_columns_and_json_is_the_last_line() {
+        let r = Report {
+            preamble: vec!["title".into()],
+            header: vec!["case".into(), "s".into()],
+            rows: vec![
+                vec!["floor".into(), "1.5".into()],
+                vec!["hub, long name".into(), "12.25".into()],
+            ],
+            notes: vec!["note".into()],
+            json: serde_json::json!({"seconds": 1.5}),
+        };
+        assert_eq!(
+            r.table(),
+            "title\ncase                s\nfloor             1.5\nhub, long name  12.25\nnote\n"
+        );
+    }
+
+    #[test]
+    fn rounding() {
+        assert_eq!(round(1.23456, 2), 1.23);
+        assert_eq!(cell(2.0, 1), "2.0");
+    }
+}
+
+/// The scenarios.
+#[derive(clap::Subcommand, Debug)]
+pub enum Scenario {
+    /// One hub process against K load-generating agents over TLS, against a bare stream
+    Fanout(fanout::Size),
+    /// Propagation latency on the real environment (host + 2 members) against the watch
+    /// floor; brings the environment up and down if none is running
+    Latency {
+        #[arg(long, default_value_t = 200)]
+        samples: usize,
+    },
+    /// Agents holding everything reconnect to a restarted hub: Applies and bytes sent
+    Resync(fanout::Size),
+    /// A server for the fan-out scenarios, run by them in a child process
+    #[command(hide = true)]
+    Serve {
+        role: fanout::Role,
+        #[command(flatten)]
+        size: fanout::Size,
+    },
+}
+
+/// Runs a scenario and prints its report; `dir` is the e2e state directory (latency).
+pub async fn run(scenario: Scenario, json: bool, dir: &std::path::Path) -> anyhow::Result<()> {
+    let report = match scenario {
+        Scenario::Fanout(size) => fanout::fanout(size).await?,
+        Scenario::Resync(size) => fanout::resync(size).await?,
+        Scenario::Latency { samples } => latency::run(dir, samples).await?,
+        Scenario::Serve { role, size } => return fanout::serve(role, size).await,
+    };
+    report.print(json);
+    Ok(())
+}
