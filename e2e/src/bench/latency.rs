@@ -11,8 +11,6 @@
 
 use std::time::{Duration, Instant};
 
-use std::path::Path;
-
 use anyhow::{Context, Result, bail};
 use flotilla_crds::{FederatedMyApp, MyApp};
 use futures::{Stream, StreamExt};
@@ -22,7 +20,7 @@ use serde_json::json;
 
 use super::stats::{self, Verdict};
 use super::{Report, cell, round};
-use crate::{Env, Provider};
+use crate::Env;
 
 const PROBE: &str = "latency-probe";
 /// Objects of the floor: a FederatedMyApp placed nowhere, a MyApp Flotilla does not manage.
@@ -86,34 +84,6 @@ where
 pub const BOUND_MS: f64 = 10.0;
 const BOOTSTRAP_ROUNDS: usize = 2000;
 const CONFIDENCE: f64 = 0.95;
-
-/// Runs against the environment in `dir`; brings one up (host + 2 members) first if none
-/// is running there, and takes it down again afterwards, also after a failure or Ctrl-C.
-pub async fn run(dir: &Path, samples: usize) -> Result<Report> {
-    if crate::status::is_up(dir).await {
-        eprintln!(
-            "bench latency: using the running environment in {}",
-            dir.display()
-        );
-        let env = Env::load_from(dir)?;
-        return latency(&env, samples).await;
-    }
-    eprintln!(
-        "bench latency: no environment running in {}: bringing one up (and down afterwards)",
-        dir.display()
-    );
-    let result = tokio::select! {
-        r = async {
-            let env = crate::up(dir, 2, Provider::Local).await?;
-            latency(&env, samples).await
-        } => r,
-        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
-    };
-    if let Err(e) = crate::down(dir).await {
-        eprintln!("bench latency: taking the environment down failed: {e:#}");
-    }
-    result
-}
 
 /// Samples in ms, and the figures drawn from them.
 #[derive(Debug, Clone, PartialEq)]
