@@ -5,50 +5,20 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use flotilla_crds::MemberCluster;
-use futures::{Stream, StreamExt};
+use futures::Stream;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use serde_json::json;
 
+use super::latency::{until, watch};
 use super::{Report, cell, round};
 use crate::Env;
 use crate::federation::{Federation, HEARTBEAT_GRACE, agent_name, member_ready, wait_member_ready};
 
 const FLOOR: &str = "join-floor";
-const TIMEOUT: Duration = Duration::from_secs(60);
-
-fn named<K>(api: Api<K>, name: &str) -> impl Stream<Item = Result<K, watcher::Error>> + Unpin
-where
-    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
-    K::DynamicType: Default,
-{
-    Box::pin(
-        watcher(
-            api,
-            watcher::Config::default().fields(&format!("metadata.name={name}")),
-        )
-        .applied_objects(),
-    )
-}
-
-async fn until<K>(
-    stream: &mut (impl Stream<Item = Result<K, watcher::Error>> + Unpin),
-    done: impl Fn(&K) -> bool,
-) -> Result<()> {
-    tokio::time::timeout(TIMEOUT, async {
-        while let Some(obj) = stream.next().await {
-            if done(&obj?) {
-                return Ok(());
-            }
-        }
-        bail!("the watch ended")
-    })
-    .await
-    .context("nothing seen within 60s")?
-}
 
 /// A new client's first write to the host, until a watch sees it.
 async fn floor(
@@ -75,18 +45,13 @@ async fn floor(
 
 pub async fn join(env: &Env, samples: usize) -> Result<Report> {
     anyhow::ensure!(samples > 0, "--samples must be positive");
-    let member = env
-        .members()
-        .first()
-        .copied()
-        .context("no member cluster")?
-        .to_owned();
+    let member = super::first_member(env)?;
     let federation = Federation::load(env)?;
     let agent = agent_name(&member);
     let host = env.client(env.host()).await?;
     let members: Api<MemberCluster> = Api::all(host.clone());
     let configs: Api<ConfigMap> = Api::namespaced(host.clone(), "default");
-    let mut floor_seen = named(configs.clone(), FLOOR);
+    let mut floor_seen = watch(configs.clone(), FLOOR);
     let (mut floors, mut joins) = (Vec::new(), Vec::new());
     for round in 0..samples {
         floors.push(floor(env, &mut floor_seen, round).await?.as_secs_f64());
@@ -96,7 +61,7 @@ pub async fn join(env: &Env, samples: usize) -> Result<Report> {
             round + 1
         );
         wait_member_ready(&host, &member, false, HEARTBEAT_GRACE * 5).await?;
-        let mut ready = named(members.clone(), &member);
+        let mut ready = watch(members.clone(), &member);
         let start = Instant::now();
         federation.start(env, &agent)?;
         until(&mut ready, member_ready).await?;

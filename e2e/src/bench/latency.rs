@@ -28,7 +28,7 @@ const FLOOR: &str = "latency-floor";
 const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Waits on a watch stream until `done` holds for an object.
-async fn until<K, S>(stream: &mut S, done: impl Fn(&K) -> bool) -> Result<()>
+pub(super) async fn until<K, S>(stream: &mut S, done: impl Fn(&K) -> bool) -> Result<()>
 where
     S: Stream<Item = Result<K, watcher::Error>> + Unpin,
 {
@@ -44,7 +44,11 @@ where
     .context("no watch event within 30s")?
 }
 
-fn watch<K>(api: Api<K>, name: &str) -> impl Stream<Item = Result<K, watcher::Error>> + Unpin
+/// The objects named `name`, as a watch sees them.
+pub(super) fn watch<K>(
+    api: Api<K>,
+    name: &str,
+) -> impl Stream<Item = Result<K, watcher::Error>> + Unpin
 where
     K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
     K::DynamicType: Default,
@@ -112,12 +116,7 @@ pub fn summarize(floor: &[f64], ours: &[f64]) -> Summary {
 
 pub async fn latency(env: &Env, samples: usize) -> Result<Report> {
     anyhow::ensure!(samples > 0, "--samples must be positive");
-    let member = env
-        .members()
-        .first()
-        .copied()
-        .context("no member cluster")?
-        .to_owned();
+    let member = super::first_member(env)?;
     let host = env.client(env.host()).await?;
     let target = env.client(&member).await?;
     let fedapps: Api<FederatedMyApp> = Api::namespaced(host.clone(), "default");

@@ -24,7 +24,7 @@ pub mod stats;
 use std::future::Future;
 use std::path::Path;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use serde_json::Value;
 
 use crate::{Env, Provider};
@@ -92,6 +92,12 @@ impl Report {
             println!("{}", self.json);
         }
     }
+}
+
+/// The member cluster a scenario measures on.
+fn first_member(env: &Env) -> Result<String> {
+    let first = env.members().first().copied();
+    Ok(first.context("no member cluster")?.to_owned())
 }
 
 /// `x` with `digits` decimals, as a table cell.
