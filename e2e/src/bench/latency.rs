@@ -11,8 +11,6 @@
 
 use std::time::{Duration, Instant};
 
-use std::path::Path;
-
 use anyhow::{Context, Result, bail};
 use flotilla_crds::{FederatedMyApp, MyApp};
 use futures::{Stream, StreamExt};
@@ -22,7 +20,7 @@ use serde_json::json;
 
 use super::stats::{self, Verdict};
 use super::{Report, cell, round};
-use crate::{Env, Provider};
+use crate::Env;
 
 const PROBE: &str = "latency-probe";
 /// Objects of the floor: a FederatedMyApp placed nowhere, a MyApp Flotilla does not manage.
@@ -30,7 +28,7 @@ const FLOOR: &str = "latency-floor";
 const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Waits on a watch stream until `done` holds for an object.
-async fn until<K, S>(stream: &mut S, done: impl Fn(&K) -> bool) -> Result<()>
+pub(super) async fn until<K, S>(stream: &mut S, done: impl Fn(&K) -> bool) -> Result<()>
 where
     S: Stream<Item = Result<K, watcher::Error>> + Unpin,
 {
@@ -46,7 +44,11 @@ where
     .context("no watch event within 30s")?
 }
 
-fn watch<K>(api: Api<K>, name: &str) -> impl Stream<Item = Result<K, watcher::Error>> + Unpin
+/// The objects named `name`, as a watch sees them.
+pub(super) fn watch<K>(
+    api: Api<K>,
+    name: &str,
+) -> impl Stream<Item = Result<K, watcher::Error>> + Unpin
 where
     K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
     K::DynamicType: Default,
@@ -87,34 +89,6 @@ pub const BOUND_MS: f64 = 10.0;
 const BOOTSTRAP_ROUNDS: usize = 2000;
 const CONFIDENCE: f64 = 0.95;
 
-/// Runs against the environment in `dir`; brings one up (host + 2 members) first if none
-/// is running there, and takes it down again afterwards, also after a failure or Ctrl-C.
-pub async fn run(dir: &Path, samples: usize) -> Result<Report> {
-    if crate::status::is_up(dir).await {
-        eprintln!(
-            "bench latency: using the running environment in {}",
-            dir.display()
-        );
-        let env = Env::load_from(dir)?;
-        return latency(&env, samples).await;
-    }
-    eprintln!(
-        "bench latency: no environment running in {}: bringing one up (and down afterwards)",
-        dir.display()
-    );
-    let result = tokio::select! {
-        r = async {
-            let env = crate::up(dir, 2, Provider::Local).await?;
-            latency(&env, samples).await
-        } => r,
-        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
-    };
-    if let Err(e) = crate::down(dir).await {
-        eprintln!("bench latency: taking the environment down failed: {e:#}");
-    }
-    result
-}
-
 /// Samples in ms, and the figures drawn from them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Summary {
@@ -142,12 +116,7 @@ pub fn summarize(floor: &[f64], ours: &[f64]) -> Summary {
 
 pub async fn latency(env: &Env, samples: usize) -> Result<Report> {
     anyhow::ensure!(samples > 0, "--samples must be positive");
-    let member = env
-        .members()
-        .first()
-        .copied()
-        .context("no member cluster")?
-        .to_owned();
+    let member = super::first_member(env)?;
     let host = env.client(env.host()).await?;
     let target = env.client(&member).await?;
     let fedapps: Api<FederatedMyApp> = Api::namespaced(host.clone(), "default");

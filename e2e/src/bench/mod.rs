@@ -8,15 +8,26 @@
 //!   reconnecting to a restarted hub with everything applied,
 //! - [`latency`]: host write → member watch on the real environment, against two watch
 //!   round trips,
+//! - [`footprint`]: the agent's memory and idle CPU with many MyApps on a real member,
+//!   and the hub's memory per 1,000 pairs, against the same processes with no app,
+//! - [`join`]: agent start → MemberCluster Ready, against a new client's first write,
 //! - [`stats`]: percentiles, the bootstrap interval and the verdict (pure, tested),
 //! - [`procstat`]: peak RSS and CPU time of one process, from `/proc`.
 
 pub mod fanout;
+pub mod footprint;
+pub mod join;
 pub mod latency;
 pub mod procstat;
 pub mod stats;
 
+use std::future::Future;
+use std::path::Path;
+
+use anyhow::{Context, Result};
 use serde_json::Value;
+
+use crate::{Env, Provider};
 
 /// A scenario's result: a table for people, an object for machines.
 #[derive(Debug, Clone)]
@@ -83,6 +94,12 @@ impl Report {
     }
 }
 
+/// The member cluster a scenario measures on.
+fn first_member(env: &Env) -> Result<String> {
+    let first = env.members().first().copied();
+    Ok(first.context("no member cluster")?.to_owned())
+}
+
 /// `x` with `digits` decimals, as a table cell.
 pub fn cell(x: f64, digits: usize) -> String {
     format!("{x:.digits$}")
@@ -136,6 +153,19 @@ pub enum Scenario {
     },
     /// Agents holding everything reconnect to a restarted hub: Applies and bytes sent
     Resync(fanout::Size),
+    /// Agent memory and idle CPU with many MyApps on a real member, hub memory per 1,000
+    /// pairs (use release builds: FLOTILLA_BIN_DIR); brings the environment up and down
+    /// if none is running
+    Footprint {
+        #[arg(long, default_value_t = 1000)]
+        apps: usize,
+    },
+    /// Agent start → MemberCluster Ready on the host; brings the environment up and down
+    /// if none is running
+    Join {
+        #[arg(long, default_value_t = 5)]
+        samples: usize,
+    },
     /// A server for the fan-out scenarios, run by them in a child process
     #[command(hide = true)]
     Serve {
@@ -145,12 +175,61 @@ pub enum Scenario {
     },
 }
 
-/// Runs a scenario and prints its report; `dir` is the e2e state directory (latency).
-pub async fn run(scenario: Scenario, json: bool, dir: &std::path::Path) -> anyhow::Result<()> {
+/// Runs `measure` against the environment in `dir`; brings one up (host + 2 members)
+/// first if none is running there, and takes it down again afterwards, also after a
+/// failure or Ctrl-C.
+async fn on_environment<F, Fut>(dir: &Path, scenario: &str, measure: F) -> Result<Report>
+where
+    F: FnOnce(Env) -> Fut,
+    Fut: Future<Output = Result<Report>>,
+{
+    if crate::status::is_up(dir).await {
+        eprintln!(
+            "bench {scenario}: using the running environment in {}",
+            dir.display()
+        );
+        return measure(Env::load_from(dir)?).await;
+    }
+    eprintln!(
+        "bench {scenario}: no environment running in {}: bringing one up (and down afterwards)",
+        dir.display()
+    );
+    let result = tokio::select! {
+        r = async { measure(crate::up(dir, 2, Provider::Local).await?).await } => r,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+    };
+    if let Err(e) = crate::down(dir).await {
+        eprintln!("bench {scenario}: taking the environment down failed: {e:#}");
+    }
+    result
+}
+
+/// Runs a scenario and prints its report; `dir` is the e2e state directory (the
+/// scenarios on the real environment).
+pub async fn run(scenario: Scenario, json: bool, dir: &Path) -> Result<()> {
     let report = match scenario {
         Scenario::Fanout(size) => fanout::fanout(size).await?,
         Scenario::Resync(size) => fanout::resync(size).await?,
-        Scenario::Latency { samples } => latency::run(dir, samples).await?,
+        Scenario::Latency { samples } => {
+            on_environment(dir, "latency", |env| async move {
+                latency::latency(&env, samples).await
+            })
+            .await?
+        }
+        Scenario::Footprint { apps } => {
+            on_environment(dir, "footprint", |env| async move {
+                footprint::footprint(&env, apps).await
+            })
+            .await?
+        }
+        Scenario::Join { samples } => {
+            on_environment(
+                dir,
+                "join",
+                |env| async move { join::join(&env, samples).await },
+            )
+            .await?
+        }
         Scenario::Serve { role, size } => return fanout::serve(role, size).await,
     };
     report.print(json);
