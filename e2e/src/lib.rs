@@ -35,6 +35,7 @@ pub mod kind;
 pub mod latency;
 pub mod local;
 pub mod oci;
+pub mod pods;
 pub mod process;
 pub mod proxy;
 pub mod realnode;
@@ -134,6 +135,15 @@ pub async fn up_with(
         eprintln!(
             "flotilla-e2e: real nodes Ready after {:.1}s",
             start.elapsed().as_secs_f64()
+        );
+        // Flotilla itself, as Pods on the real nodes, from deploy/ and `flotilla-hub join`.
+        pods::up(&env, &bin)
+            .await
+            .context("installing flotilla-hub and the agents as Pods")?;
+        eprintln!(
+            "flotilla-e2e: environment up in {:.1}s, hub and agents as Pods ({})",
+            start.elapsed().as_secs_f64(),
+            dir.display()
         );
         return Ok(env);
     }

@@ -87,6 +87,10 @@ pub struct RealNodeBinding {
     pub pki: PathBuf,
 }
 
+/// The `kubernetes` Service's ClusterIP (the apiserver's default service range is
+/// 10.0.0.0/24): Pods dial it, so the apiserver's certificate must name it.
+pub const KUBERNETES_SERVICE_IP: &str = "10.0.0.1";
+
 /// kwokctl's configuration for one cluster: the runtime, our binaries (so nothing is
 /// downloaded), loopback, and ports.
 fn kwokctl_config(bin: &Path, ports: [u16; 6], real: Option<&RealNodeBinding>) -> String {
@@ -97,7 +101,7 @@ fn kwokctl_config(bin: &Path, ports: [u16; 6], real: Option<&RealNodeBinding>) -
         let pki = r.pki.display();
         let address = &r.address;
         extra = format!(
-            "\x20 kubeApiserverCertSANs: [\"{address}\"]\n\
+            "\x20 kubeApiserverCertSANs: [\"{address}\", \"{KUBERNETES_SERVICE_IP}\"]\n\
              componentsPatches:\n\
              - name: kwok-controller\n\
              \x20 extraArgs:\n\
@@ -380,6 +384,7 @@ mod tests {
         let v: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
         assert_eq!(v["options"]["bindAddress"], "127.0.0.1");
         assert_eq!(v["options"]["kubeApiserverCertSANs"][0], "10.213.7.1");
+        assert_eq!(v["options"]["kubeApiserverCertSANs"][1], "10.0.0.1");
         let patches = v["componentsPatches"].as_sequence().unwrap();
         let kwok = &patches[0];
         assert_eq!(kwok["name"], "kwok-controller");

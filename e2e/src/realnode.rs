@@ -91,7 +91,8 @@ impl Network {
     }
 }
 
-fn nodes_dir(dir: &Path) -> PathBuf {
+/// `<state dir>/nodes`: each node's directory, the images, the install.
+pub fn nodes_dir(dir: &Path) -> PathBuf {
     dir.join(NODES_DIR)
 }
 
