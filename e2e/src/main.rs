@@ -53,6 +53,10 @@ enum Cmd {
         members: usize,
         #[arg(long, value_enum, default_value_t = Provider::Local)]
         provider: Provider,
+        /// Bring the environment up with real nodes (hub and agents as Pods) and run the
+        /// suites that hold there: propagation and realnodes
+        #[arg(long)]
+        real_nodes: bool,
     },
 }
 
@@ -103,8 +107,10 @@ async fn run(cmd: Cmd, dir: PathBuf) -> Result<bool> {
                 .await
                 .map(|()| true)
         }
-        Cmd::Test { members, provider } => {
-            flotilla_e2e::testcmd::run(&dir, members, provider).await
-        }
+        Cmd::Test {
+            members,
+            provider,
+            real_nodes,
+        } => flotilla_e2e::testcmd::run(&dir, members, provider, real_nodes).await,
     }
 }

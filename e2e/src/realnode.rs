@@ -382,8 +382,10 @@ fn kubelet_config(node: &Path, ip: &str, cgroup_root: &str, client_ca: &Path) ->
         \x20 x509: {{clientCAFile: {ca}}}\n\
          authorization: {{mode: Webhook}}\n\
          clusterDomain: cluster.local\n\
-         # A shared build machine's disk: no evictions, no image GC of the imported images.\n\
-         evictionHard: {{memory.available: 100Mi, nodefs.available: 1%, imagefs.available: 1%, nodefs.inodesFree: 1%}}\n\
+         # A shared build machine's disk: evict only when it is all but full (absolute\n\
+         # figures: 1% of a large disk still evicted the hub Pods here), no image GC of the\n\
+         # imported images.\n\
+         evictionHard: {{memory.available: 100Mi, nodefs.available: 100Mi, imagefs.available: 100Mi, nodefs.inodesFree: 1%}}\n\
          imageGCHighThresholdPercent: 100\n\
          imageGCLowThresholdPercent: 99\n\
          shutdownGracePeriod: 0s\n\
@@ -657,6 +659,7 @@ fn start_node(
 
     // The link: a veth with `eth0` in the node, the other end on the environment's bridge.
     let veth = net.veth(i);
+    delete_link(&veth)?;
     let pid = holder.pid.to_string();
     run(Command::new("ip").args([
         "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &pid,
@@ -840,6 +843,14 @@ pub async fn import_everywhere(env: &Env, archive: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Deletes interface `name` if it exists (a veth: both ends go).
+fn delete_link(name: &str) -> Result<()> {
+    if Path::new("/sys/class/net").join(name).exists() {
+        run(Command::new("ip").args(["link", "del", name]))?;
+    }
+    Ok(())
+}
+
 fn stop_node(dir: &Path, state: &NodeState) -> Result<()> {
     // The kubelet and kube-proxy first, so that nothing restarts containers meanwhile.
     let clients: Vec<ProcessRecord> = state
@@ -892,9 +903,20 @@ pub fn down(dir: &Path) -> Result<()> {
     }
     if let Ok(b) = std::fs::read(net_file(dir)) {
         let net: Network = serde_json::from_slice(&b)?;
-        if Path::new("/sys/class/net").join(&net.bridge).exists() {
-            run(Command::new("ip").args(["link", "del", &net.bridge]))?;
+        // A node's network namespace has been seen to outlive its last process for a
+        // while (its veth stayed): delete the veths by name, then the bridge.
+        let veths: Vec<String> = std::fs::read_dir("/sys/class/net")
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.file_name().to_str().map(str::to_string))
+                    .filter(|n| n.starts_with(&format!("flo{}n", net.tag)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        for v in veths {
+            delete_link(&v)?;
         }
+        delete_link(&net.bridge)?;
     }
     std::fs::remove_dir_all(&root).with_context(|| format!("removing {}", root.display()))
 }
