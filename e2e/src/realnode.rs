@@ -422,23 +422,19 @@ fn kube_proxy_config(kubeconfig: &Path, i: usize, net: &Network) -> String {
     )
 }
 
-/// The v1 cgroup hierarchies (mount points of type `cgroup`), where the kubelet's cgroup
-/// root must exist before it starts.
+/// The cgroup hierarchies (mount points of type `cgroup` and `cgroup2`), where the
+/// kubelet's cgroup root must exist before it starts and is removed after.
 fn cgroup_hierarchies() -> Vec<PathBuf> {
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    let v1: Vec<PathBuf> = mounts
+    // v1 hierarchies and, on a hybrid host, the v2 one beside them (runc makes the
+    // containers' cgroups there too); on a v2-only host, the one tree.
+    mounts
         .lines()
         .filter_map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
-            (f.get(2) == Some(&"cgroup")).then(|| PathBuf::from(f[1]))
+            matches!(f.get(2), Some(&"cgroup") | Some(&"cgroup2")).then(|| PathBuf::from(f[1]))
         })
-        .collect();
-    if v1.is_empty() {
-        // cgroup v2 only: one tree.
-        vec![PathBuf::from("/sys/fs/cgroup")]
-    } else {
-        v1
-    }
+        .collect()
 }
 
 fn make_cgroups(root: &str) -> Result<()> {
@@ -898,7 +894,19 @@ pub fn down(dir: &Path) -> Result<()> {
     if !root.exists() {
         return Ok(());
     }
-    for state in nodes(dir) {
+    let nodes = nodes(dir);
+    // Every node's kubelet, kube-proxy and forwarder at once (each may take its grace).
+    let clients: Vec<ProcessRecord> = nodes
+        .iter()
+        .flat_map(|n| {
+            n.processes
+                .iter()
+                .filter(|p| p.name != "containerd")
+                .cloned()
+        })
+        .collect();
+    process::stop_many(&clients, Duration::from_secs(5))?;
+    for state in nodes {
         stop_node(dir, &state)?;
     }
     if let Ok(b) = std::fs::read(net_file(dir)) {
