@@ -2,9 +2,12 @@
 # Builds the real control-plane binaries the e2e environment runs (kube-apiserver,
 # kube-controller-manager, kube-scheduler, kubectl, etcd, kwok, kwokctl) from the Go module proxy
 # and caches them outside the clone, keyed by version. A second run finds them and exits.
+# With FLOTILLA_REAL_NODES=1 it also builds what a real node runs (kubelet, kube-proxy, and
+# the pod sandbox's pause from the Kubernetes source, with gcc -static), into the same dir.
 #
 # Usage: build-binaries.sh            prints the directory holding the binaries
-# Env:   FLOTILLA_K8S_VERSION, FLOTILLA_ETCD_VERSION, FLOTILLA_KWOK_VERSION, XDG_CACHE_HOME
+# Env:   FLOTILLA_K8S_VERSION, FLOTILLA_ETCD_VERSION, FLOTILLA_KWOK_VERSION, XDG_CACHE_HOME,
+#        FLOTILLA_REAL_NODES
 set -euo pipefail
 
 k8s=${FLOTILLA_K8S_VERSION:-1.34.4}
@@ -15,6 +18,9 @@ out=$cache/bin/k8s-v$k8s-etcd-v$etcd-kwok-v$kwok
 # kubectl too: kwokctl shells out to it (health checks) and would otherwise download one.
 k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
 want=("${k8s_cmds[@]}" etcd kwok kwokctl)
+# Real-node mode only: the default mode never builds (nor waits for) these.
+node_cmds=(kubelet kube-proxy)
+if [ "${FLOTILLA_REAL_NODES:-}" = 1 ]; then want+=("${node_cmds[@]}" pause); fi
 
 have_all() { for b in "${want[@]}"; do [ -x "$out/$b" ] || return 1; done; }
 if have_all; then echo "$out"; exit 0; fi
@@ -65,6 +71,52 @@ GO
     ld+=" -X $p.gitVersion=v$k8s -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean -X $p.buildDate=$date"
   done
   go build -trimpath -tags selinux,notest -ldflags "$ld" -o "$out/" "${missing_k8s[@]}" >&2
+fi
+
+missing_node=()
+if [ "${FLOTILLA_REAL_NODES:-}" = 1 ]; then
+  for b in "${node_cmds[@]}"; do [ -x "$out/$b" ] || missing_node+=("k8s.io/kubernetes/cmd/$b"); done
+fi
+if [ ${#missing_node[@]} -gt 0 ]; then
+  # Its own module, so that the control plane's (above) is left as it is.
+  src=$cache/src/kubernetes-node-v$k8s
+  mkdir -p "$src"
+  cd "$src"
+  log "building Kubernetes v$k8s kubelet and kube-proxy in $src"
+  [ -f go.mod ] || go mod init flotilla.local/k8s-node-build >/dev/null 2>&1
+  gomod=$(go mod download -json "k8s.io/kubernetes@v$k8s" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
+  staging=$(grep -oE '^\s*k8s\.io/[a-z0-9-]+ => \./staging' "$gomod" | awk '{print $1}' | sort -u)
+  [ -n "$staging" ] || { log "no staging modules found in $gomod"; exit 1; }
+  args=()
+  for m in $staging; do args+=("-replace=$m=$m@v0.$minor.${k8s##*.}"); done
+  go mod edit "${args[@]}" "-require=k8s.io/kubernetes@v$k8s"
+  cat > tools.go <<'GO'
+//go:build tools
+
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
+	_ "k8s.io/kubernetes/cmd/kubelet"
+)
+GO
+  go mod tidy -e >&2 2>&1 || true
+  go mod tidy >&2
+  date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+  ld="-s -w"
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld+=" -X $p.gitVersion=v$k8s -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean -X $p.buildDate=$date"
+  done
+  go build -trimpath -tags selinux,notest -ldflags "$ld" -o "$out/" "${missing_node[@]}" >&2
+fi
+
+if [ "${FLOTILLA_REAL_NODES:-}" = 1 ] && [ ! -x "$out/pause" ]; then
+  # The pod sandbox's process, from the same Kubernetes release's source (its module zip
+  # carries build/pause); static, so that it runs in an image holding nothing else.
+  dir=$(go mod download -json "k8s.io/kubernetes@v$k8s" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')
+  log "building pause from $dir/build/pause/linux/pause.c"
+  gcc -Os -Wall -Werror -static -DVERSION="v$k8s-flotilla" -o "$out/pause.tmp" "$dir/build/pause/linux/pause.c" >&2
+  mv "$out/pause.tmp" "$out/pause"
 fi
 
 if [ ! -x "$out/etcd" ]; then

@@ -51,6 +51,10 @@ pub struct Env {
     #[serde(skip)]
     pub dir: PathBuf,
     pub provider: Provider,
+    /// `up --real-nodes`: every cluster also has a real node (see `realnode`), and the hub
+    /// and agents run as Pods there.
+    #[serde(default)]
+    pub real_nodes: bool,
     pub clusters: Vec<ClusterState>,
 }
 
@@ -64,7 +68,12 @@ pub fn default_dir() -> PathBuf {
 }
 
 impl Env {
-    pub(crate) fn new(dir: &Path, provider: Provider, names: &[String]) -> Result<Env> {
+    pub(crate) fn new(
+        dir: &Path,
+        provider: Provider,
+        real_nodes: bool,
+        names: &[String],
+    ) -> Result<Env> {
         std::fs::create_dir_all(dir.join("kubeconfigs"))
             .with_context(|| format!("creating {}", dir.display()))?;
         let dir = dir
@@ -86,6 +95,7 @@ impl Env {
         Ok(Env {
             dir,
             provider,
+            real_nodes,
             clusters,
         })
     }

@@ -158,6 +158,7 @@ mod tests {
 
     fn env_in(dir: &str) -> Env {
         Env {
+            real_nodes: false,
             dir: dir.into(),
             provider: crate::Provider::Kind,
             clusters: vec![ClusterState {

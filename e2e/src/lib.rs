@@ -34,8 +34,11 @@ pub mod federation;
 pub mod hubcli;
 pub mod kind;
 pub mod local;
+pub mod oci;
+pub mod pods;
 pub mod process;
 pub mod proxy;
+pub mod realnode;
 pub mod status;
 pub mod support;
 pub mod testcmd;
@@ -61,6 +64,19 @@ pub fn cluster_names(members: usize) -> Vec<String> {
 
 /// Brings the environment in `dir` up (idempotent: clusters already running are kept).
 pub async fn up(dir: &Path, members: usize, provider: Provider) -> Result<Env> {
+    up_with(dir, members, provider, false).await
+}
+
+/// [`up`], with one real node per cluster if `real_nodes` (local provider only).
+pub async fn up_with(
+    dir: &Path,
+    members: usize,
+    provider: Provider,
+    real_nodes: bool,
+) -> Result<Env> {
+    if real_nodes && provider != Provider::Local {
+        bail!("--real-nodes is for the local provider (kind's nodes are real already)");
+    }
     let start = Instant::now();
     let names = cluster_names(members);
     if let Some(existing) = Env::load_state(dir)? {
@@ -78,9 +94,20 @@ pub async fn up(dir: &Path, members: usize, provider: Provider) -> Result<Env> {
                 dir.display()
             );
         }
+        if existing.real_nodes != real_nodes {
+            bail!(
+                "the environment in {} was brought up {} real nodes; run `flotilla-e2e down` first",
+                dir.display(),
+                if existing.real_nodes {
+                    "with"
+                } else {
+                    "without"
+                }
+            );
+        }
     }
     // Record the intent first, so that `down` can clean up after a half-finished `up`.
-    let mut env = Env::new(dir, provider, &names)?;
+    let mut env = Env::new(dir, provider, real_nodes, &names)?;
     env.save()?;
     match provider {
         Provider::Local => local::up(&mut env).await?,
@@ -93,6 +120,33 @@ pub async fn up(dir: &Path, members: usize, provider: Provider) -> Result<Env> {
             .with_context(|| format!("preparing cluster {}", c.name))?;
     }
     env.save()?;
+    if real_nodes {
+        let bin = local::binaries(true).await?;
+        let images = realnode::images_dir(&env.dir);
+        std::fs::create_dir_all(&images)?;
+        let pause = images.join("pause.tar");
+        oci::write_archive(
+            &oci::pause_image(&bin.join("pause"), realnode::PAUSE_IMAGE),
+            &pause,
+        )?;
+        realnode::up(&env, &bin, &[pause])
+            .await
+            .context("starting the real nodes")?;
+        eprintln!(
+            "flotilla-e2e: real nodes Ready after {:.1}s",
+            start.elapsed().as_secs_f64()
+        );
+        // Flotilla itself, as Pods on the real nodes, from deploy/ and `flotilla-hub join`.
+        pods::up(&env, &bin)
+            .await
+            .context("installing flotilla-hub and the agents as Pods")?;
+        eprintln!(
+            "flotilla-e2e: environment up in {:.1}s, hub and agents as Pods ({})",
+            start.elapsed().as_secs_f64(),
+            dir.display()
+        );
+        return Ok(env);
+    }
     // Flotilla itself: the hub on the host, one agent per member (stopped by `down`).
     federation::up(&env)
         .await
@@ -112,6 +166,8 @@ pub async fn down(dir: &Path) -> Result<()> {
     // The canonical path: it is what the processes' command lines mention.
     let dir = &dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
     process::stop_all(dir).context("stopping managed processes")?;
+    // Real nodes (if any) before their control planes: the kubelets' last calls find them.
+    realnode::down(dir).context("stopping the real nodes")?;
     let state = Env::load_state(dir)?;
     let provider = state
         .as_ref()

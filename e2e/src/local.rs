@@ -21,7 +21,8 @@ const KUBE_VERSION: &str = "v1.34.4";
 
 /// Builds the control-plane binaries if they are not cached yet and returns their
 /// directory. Cached, this takes well under a second; cold, many minutes.
-pub async fn binaries() -> Result<PathBuf> {
+/// With `real_nodes`, also kubelet, kube-proxy and pause (built only then).
+pub async fn binaries(real_nodes: bool) -> Result<PathBuf> {
     let script = workspace_root()
         .join("e2e")
         .join("scripts")
@@ -29,6 +30,7 @@ pub async fn binaries() -> Result<PathBuf> {
     let out = tokio::process::Command::new("bash")
         .arg(&script)
         .env("FLOTILLA_K8S_VERSION", KUBE_VERSION.trim_start_matches('v'))
+        .env("FLOTILLA_REAL_NODES", if real_nodes { "1" } else { "" })
         .stdin(Stdio::null())
         .stderr(Stdio::inherit())
         .output()
@@ -64,11 +66,52 @@ fn free_ports() -> Result<[u16; 6]> {
     Ok(ports)
 }
 
+/// What a cluster with a real node (`up --real-nodes`) needs from kwokctl: the apiserver
+/// advertised at the environment's bridge (so the `kubernetes` Service sends Pods there,
+/// where a forwarder to its loopback port listens: kwokctl's binary runtime assumes
+/// loopback everywhere, and a node in its own network namespace cannot reach the host's
+/// loopback), the bridge address in its certificate, the apiserver allowed into the
+/// kubelet at its InternalIP with kwokctl's admin certificate (logs, exec), webhooks called at their Pods'
+/// addresses (the host has no kube-proxy of its own), and the KWOK controller kept off
+/// the real node.
+pub struct RealNodeBinding {
+    /// The host's address on the environment's bridge.
+    pub address: String,
+    /// kwokctl's PKI dir of the cluster (`<work dir>/clusters/<name>/pki`).
+    pub pki: PathBuf,
+}
+
+/// The `kubernetes` Service's ClusterIP (the apiserver's default service range is
+/// 10.0.0.0/24): Pods dial it, so the apiserver's certificate must name it.
+pub const KUBERNETES_SERVICE_IP: &str = "10.0.0.1";
+
 /// kwokctl's configuration for one cluster: the runtime, our binaries (so nothing is
 /// downloaded), loopback, and ports.
-fn kwokctl_config(bin: &Path, ports: [u16; 6]) -> String {
+fn kwokctl_config(bin: &Path, ports: [u16; 6], real: Option<&RealNodeBinding>) -> String {
     let b = bin.display();
     let [apiserver, etcd, etcd_peer, kwok, kcm, scheduler] = ports;
+    let mut extra = String::new();
+    if let Some(r) = real {
+        let pki = r.pki.display();
+        let address = &r.address;
+        extra = format!(
+            "\x20 kubeApiserverCertSANs: [\"{address}\", \"{KUBERNETES_SERVICE_IP}\"]\n\
+             componentsPatches:\n\
+             - name: kwok-controller\n\
+             \x20 extraArgs:\n\
+             \x20 - {{key: manage-all-nodes, value: \"false\", override: true}}\n\
+             \x20 - {{key: manage-nodes-with-label-selector, value: {label}={value}}}\n\
+             - name: kube-apiserver\n\
+             \x20 extraArgs:\n\
+             \x20 - {{key: advertise-address, value: \"{address}\"}}\n\
+             \x20 - {{key: kubelet-client-certificate, value: {pki}/admin.crt}}\n\
+             \x20 - {{key: kubelet-client-key, value: {pki}/admin.key}}\n\
+             \x20 - {{key: enable-aggregator-routing, value: \"true\"}}\n\
+             \x20 - {{key: kubelet-preferred-address-types, value: InternalIP}}\n",
+            label = crate::cluster::FAKE_NODE_LABEL.0,
+            value = crate::cluster::FAKE_NODE_LABEL.1,
+        );
+    }
     format!(
         "# Written by flotilla-e2e.\n\
          apiVersion: config.kwok.x-k8s.io/v1alpha1\n\
@@ -86,7 +129,8 @@ fn kwokctl_config(bin: &Path, ports: [u16; 6]) -> String {
         \x20 etcdPeerPort: {etcd_peer}\n\
         \x20 kwokControllerPort: {kwok}\n\
         \x20 kubeControllerManagerPort: {kcm}\n\
-        \x20 kubeSchedulerPort: {scheduler}\n"
+        \x20 kubeSchedulerPort: {scheduler}\n\
+         {extra}"
     )
 }
 
@@ -111,7 +155,14 @@ async fn creation_lock() -> Result<std::fs::File> {
 }
 
 pub async fn up(env: &mut Env) -> Result<()> {
-    let bin = binaries().await?;
+    let bin = binaries(env.real_nodes).await?;
+    let net = if env.real_nodes {
+        let net = crate::realnode::network(&env.dir)?;
+        crate::realnode::ensure_bridge(&net)?;
+        Some(net)
+    } else {
+        None
+    };
     let workdir = env.dir.join(KWOK_DIR);
     std::fs::create_dir_all(&workdir).with_context(|| format!("creating {}", workdir.display()))?;
     let logs = env.dir.join("logs");
@@ -123,7 +174,11 @@ pub async fn up(env: &mut Env) -> Result<()> {
         // kwokctl keeps the configuration of a cluster it made; this one only counts the first time.
         let config = workdir.join(format!("{}.kwokctl.yaml", c.name));
         let lock = creation_lock().await?;
-        std::fs::write(&config, kwokctl_config(&bin, free_ports()?))?;
+        let real = net.as_ref().map(|n| RealNodeBinding {
+            address: n.host_ip(),
+            pki: workdir.join("clusters").join(&c.name).join("pki"),
+        });
+        std::fs::write(&config, kwokctl_config(&bin, free_ports()?, real.as_ref()))?;
         let config = config.to_string_lossy().into_owned();
         let args = [
             "--config",
@@ -299,7 +354,7 @@ mod tests {
 
     #[test]
     fn config_points_kwokctl_at_our_binaries_on_loopback() {
-        let yaml = kwokctl_config(Path::new("/cache/bin"), [1, 2, 3, 4, 5, 6]);
+        let yaml = kwokctl_config(Path::new("/cache/bin"), [1, 2, 3, 4, 5, 6], None);
         let v: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
         let o = &v["options"];
         assert_eq!(v["kind"], "KwokctlConfiguration");
@@ -310,6 +365,33 @@ mod tests {
         assert_eq!(o["bindAddress"], "127.0.0.1");
         assert_eq!(o["kubeApiserverPort"], 1);
         assert_eq!(o["kubeSchedulerPort"], 6);
+        assert!(v.get("componentsPatches").is_none());
+    }
+
+    #[test]
+    fn real_node_config_advertises_the_bridge_and_keeps_kwok_off_the_real_node() {
+        let real = RealNodeBinding {
+            address: "10.213.7.1".into(),
+            pki: PathBuf::from("/e2e/kwok/clusters/host/pki"),
+        };
+        let yaml = kwokctl_config(Path::new("/cache/bin"), [1, 2, 3, 4, 5, 6], Some(&real));
+        let v: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
+        assert_eq!(v["options"]["bindAddress"], "127.0.0.1");
+        assert_eq!(v["options"]["kubeApiserverCertSANs"][0], "10.213.7.1");
+        assert_eq!(v["options"]["kubeApiserverCertSANs"][1], "10.0.0.1");
+        let patches = v["componentsPatches"].as_sequence().unwrap();
+        let kwok = &patches[0];
+        assert_eq!(kwok["name"], "kwok-controller");
+        assert_eq!(kwok["extraArgs"][0]["key"], "manage-all-nodes");
+        assert_eq!(kwok["extraArgs"][0]["value"], "false");
+        assert_eq!(kwok["extraArgs"][0]["override"], true);
+        assert_eq!(kwok["extraArgs"][1]["value"], "type=kwok");
+        assert_eq!(patches[1]["extraArgs"][0]["key"], "advertise-address");
+        assert_eq!(patches[1]["extraArgs"][0]["value"], "10.213.7.1");
+        assert_eq!(
+            patches[1]["extraArgs"][1]["value"],
+            "/e2e/kwok/clusters/host/pki/admin.crt"
+        );
     }
 
     #[test]

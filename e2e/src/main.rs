@@ -28,6 +28,10 @@ enum Cmd {
         members: usize,
         #[arg(long, value_enum, default_value_t = Provider::Local)]
         provider: Provider,
+        /// Give every cluster one real node (kubelet, containerd, kube-proxy) beside the KWOK
+        /// nodes, and run the hub and agents on them as Pods (needs root; see e2e/README.md)
+        #[arg(long)]
+        real_nodes: bool,
     },
     /// Stop everything the environment runs and remove its state
     Down,
@@ -52,6 +56,10 @@ enum Cmd {
         members: usize,
         #[arg(long, value_enum, default_value_t = Provider::Local)]
         provider: Provider,
+        /// Bring the environment up with real nodes (hub and agents as Pods) and run the
+        /// suites that hold there: propagation and realnodes
+        #[arg(long)]
+        real_nodes: bool,
     },
 }
 
@@ -74,8 +82,12 @@ async fn main() -> ExitCode {
 
 async fn run(cmd: Cmd, dir: PathBuf) -> Result<bool> {
     match cmd {
-        Cmd::Up { members, provider } => {
-            let env = flotilla_e2e::up(&dir, members, provider).await?;
+        Cmd::Up {
+            members,
+            provider,
+            real_nodes,
+        } => {
+            let env = flotilla_e2e::up_with(&dir, members, provider, real_nodes).await?;
             for c in &env.clusters {
                 println!("{}\t{}", c.name, c.kubeconfig.display());
             }
@@ -95,8 +107,10 @@ async fn run(cmd: Cmd, dir: PathBuf) -> Result<bool> {
         Cmd::Bench { json, scenario } => flotilla_e2e::bench::run(scenario, json, &dir)
             .await
             .map(|()| true),
-        Cmd::Test { members, provider } => {
-            flotilla_e2e::testcmd::run(&dir, members, provider).await
-        }
+        Cmd::Test {
+            members,
+            provider,
+            real_nodes,
+        } => flotilla_e2e::testcmd::run(&dir, members, provider, real_nodes).await,
     }
 }

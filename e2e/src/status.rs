@@ -41,6 +41,18 @@ pub async fn status(dir: &Path) -> Result<bool> {
             total_rss += print_process(p, &mut healthy);
         }
     }
+    if env.real_nodes {
+        for node in crate::realnode::nodes(&env.dir) {
+            println!("  real node of {}", node.cluster);
+            for p in node.all() {
+                let p = ProcessRecord {
+                    name: format!("{}/{}", node.cluster, p.name),
+                    ..p
+                };
+                total_rss += print_process(&p, &mut healthy);
+            }
+        }
+    }
     let others = process::records(&env.dir)?;
     if !others.is_empty() {
         println!("  processes");

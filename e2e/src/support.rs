@@ -20,9 +20,18 @@ pub fn workspace_root() -> PathBuf {
 /// current) and returns each binary's path by name, as cargo reports it: wherever
 /// `CARGO_TARGET_DIR`, `--target-dir` or `.cargo/config` put it.
 pub fn cargo_binaries(wanted: &[(&str, &str)]) -> Result<BTreeMap<String, PathBuf>> {
+    cargo_binaries_with(wanted, &[])
+}
+
+/// [`cargo_binaries`] with more `cargo build` arguments (`--release`, `--target ...`).
+pub fn cargo_binaries_with(
+    wanted: &[(&str, &str)],
+    extra: &[&str],
+) -> Result<BTreeMap<String, PathBuf>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(&cargo);
     cmd.args(["build", "--message-format", "json-render-diagnostics"]);
+    cmd.args(extra);
     for (package, bin) in wanted {
         cmd.args(["-p", package, "--bin", bin]);
     }

@@ -40,7 +40,9 @@ impl Tally {
 }
 
 /// Runs everything; returns whether all of it passed.
-pub async fn run(dir: &Path, members: usize, provider: Provider) -> Result<bool> {
+/// With `real_nodes`, the environment has real nodes and the hub and agents run as Pods;
+/// the e2e step then runs the suites that hold in that mode (`propagation`, `realnodes`).
+pub async fn run(dir: &Path, members: usize, provider: Provider, real_nodes: bool) -> Result<bool> {
     let mut steps: Vec<(&str, bool)> = Vec::new();
     let mut tally = Tally::default();
     let mut interrupted = false;
@@ -66,7 +68,11 @@ pub async fn run(dir: &Path, members: usize, provider: Provider) -> Result<bool>
     let mut brought_up = false;
     let mut env_ok = false;
     if !interrupted {
-        if crate::status::is_up(dir).await {
+        let same_mode = crate::Env::load_state(dir)
+            .ok()
+            .flatten()
+            .is_some_and(|e| e.real_nodes == real_nodes);
+        if same_mode && crate::status::is_up(dir).await {
             eprintln!(
                 "flotilla-e2e test: using the running environment in {}",
                 dir.display()
@@ -75,7 +81,7 @@ pub async fn run(dir: &Path, members: usize, provider: Provider) -> Result<bool>
         } else {
             brought_up = true;
             let up = tokio::select! {
-                r = crate::up(dir, members, provider) => r.map(|_| ()),
+                r = crate::up_with(dir, members, provider, real_nodes) => r.map(|_| ()),
                 s = signalled() => { interrupted = true; Err(anyhow!("interrupted by {s}")) }
             };
             if let Err(e) = &up {
@@ -86,7 +92,22 @@ pub async fn run(dir: &Path, members: usize, provider: Provider) -> Result<bool>
         }
     }
     if !interrupted && env_ok {
-        let e2e = cargo(
+        // Real-node mode: the suites that do not start or kill local hub and agent processes.
+        let args: &[&str] = if real_nodes {
+            &[
+                "test",
+                "--no-fail-fast",
+                "-p",
+                "flotilla-e2e",
+                "--test",
+                "propagation",
+                "--test",
+                "realnodes",
+                "--",
+                "--show-output",
+                "--include-ignored",
+            ]
+        } else {
             // --show-output: the suite's figures (one line per fault, the failover's
             // lowest ready count, the wire's timings) reach the log of a green run too.
             &[
@@ -96,11 +117,9 @@ pub async fn run(dir: &Path, members: usize, provider: Provider) -> Result<bool>
                 "flotilla-e2e",
                 "--",
                 "--show-output",
-            ],
-            dir,
-            &mut tally,
-        )
-        .await;
+            ]
+        };
+        let e2e = cargo(args, dir, &mut tally).await;
         interrupted |= e2e.is_err();
         steps.push((
             "e2e suite: cargo test --no-fail-fast -p flotilla-e2e -- --show-output",

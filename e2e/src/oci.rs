@@ -1,0 +1,342 @@
+//! OCI images built from local files, with no registry and no Docker: one uncompressed
+//! layer, an image config, a manifest and an `index.json`, written as an OCI image layout
+//! in a tar archive that `ctr images import` takes.
+//!
+//! The archive is deterministic (every header has mtime 0, owner 0:0 unless a file says
+//! otherwise, entries in the order given): the same binary gives the same digests, so a
+//! second import into a node's containerd changes nothing.
+//!
+//! [`flotilla_image`] makes the `flotilla-hub` and `flotilla-agent` images with the layout
+//! `deploy/Dockerfile` gives them: the static binary at `/usr/local/bin/flotilla-<component>`,
+//! entrypoint that binary, user `65532:65532`, on the few files of distroless/static that
+//! matter here (`/etc/passwd` and `/etc/group` naming `nonroot`, `/tmp`, `/home/nonroot`,
+//! the CA bundle). [`pause_image`] makes the pod sandbox image from the Kubernetes
+//! source's `pause.c`.
+
+use anyhow::{Context, Result};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+/// What one entry of the layer holds.
+#[derive(Clone, Debug)]
+pub enum Contents {
+    /// A regular file copied from this path on the machine.
+    File(PathBuf),
+    /// A regular file with these bytes.
+    Bytes(Vec<u8>),
+    /// A directory.
+    Dir,
+}
+
+/// One entry of the image's only layer.
+#[derive(Clone, Debug)]
+pub struct Entry {
+    /// Absolute path in the image (`/usr/local/bin/flotilla-hub`).
+    pub path: String,
+    pub contents: Contents,
+    pub mode: u32,
+    pub uid: u64,
+    pub gid: u64,
+}
+
+impl Entry {
+    pub fn file(path: &str, source: &Path, mode: u32) -> Entry {
+        Entry::new(path, Contents::File(source.to_path_buf()), mode)
+    }
+    pub fn bytes(path: &str, bytes: impl Into<Vec<u8>>, mode: u32) -> Entry {
+        Entry::new(path, Contents::Bytes(bytes.into()), mode)
+    }
+    pub fn dir(path: &str, mode: u32) -> Entry {
+        Entry::new(path, Contents::Dir, mode)
+    }
+    fn new(path: &str, contents: Contents, mode: u32) -> Entry {
+        Entry {
+            path: path.to_string(),
+            contents,
+            mode,
+            uid: 0,
+            gid: 0,
+        }
+    }
+    pub fn owned_by(mut self, uid: u64, gid: u64) -> Entry {
+        self.uid = uid;
+        self.gid = gid;
+        self
+    }
+}
+
+/// An image: its full reference, the files of its layer and its runtime config.
+#[derive(Clone, Debug)]
+pub struct ImageSpec {
+    /// Fully qualified, as containerd stores it: `docker.io/library/flotilla-hub:0.1.0`.
+    /// (The kubelet normalises the manifests' `flotilla-hub:0.1.0` to this.)
+    pub name: String,
+    pub entries: Vec<Entry>,
+    pub entrypoint: Vec<String>,
+    pub user: String,
+    pub exposed_ports: Vec<u16>,
+    pub env: Vec<String>,
+}
+
+/// The numeric user of both images (distroless's `nonroot`): a number, so that the
+/// kubelet can check `runAsNonRoot: true` against it.
+pub const NONROOT: u64 = 65532;
+
+/// The `flotilla-<component>` image (`hub` or `agent`) around a static `binary`,
+/// laid out as `deploy/Dockerfile` lays it out.
+pub fn flotilla_image(component: &str, binary: &Path, tag: &str) -> ImageSpec {
+    let exe = format!("/usr/local/bin/flotilla-{component}");
+    let ports = match component {
+        "hub" => vec![7443, 8080],
+        _ => vec![8080, 9443],
+    };
+    let mut entries = distroless_base();
+    entries.extend([
+        Entry::dir("/usr", 0o755),
+        Entry::dir("/usr/local", 0o755),
+        Entry::dir("/usr/local/bin", 0o755),
+        Entry::file(&exe, binary, 0o755),
+    ]);
+    ImageSpec {
+        name: format!("docker.io/library/flotilla-{component}:{tag}"),
+        entries,
+        entrypoint: vec![exe],
+        user: format!("{NONROOT}:{NONROOT}"),
+        exposed_ports: ports,
+        env: vec!["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()],
+    }
+}
+
+/// The pod sandbox image: the static `pause` binary built from the Kubernetes source.
+pub fn pause_image(pause: &Path, name: &str) -> ImageSpec {
+    ImageSpec {
+        name: name.to_string(),
+        entries: vec![Entry::file("/pause", pause, 0o755)],
+        entrypoint: vec!["/pause".into()],
+        user: "65535:65535".into(),
+        exposed_ports: Vec::new(),
+        env: Vec::new(),
+    }
+}
+
+/// The files of distroless/static that the binaries or the kubelet look at.
+fn distroless_base() -> Vec<Entry> {
+    let passwd = "root:x:0:0:root:/root:/sbin/nologin\n\
+                  nobody:x:65534:65534:nobody:/nonexistent:/sbin/nologin\n\
+                  nonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n";
+    let group = "root:x:0:\nnobody:x:65534:\ntty:x:5:\nstaff:x:50:\nnonroot:x:65532:\n";
+    let mut entries = vec![
+        Entry::dir("/etc", 0o755),
+        Entry::bytes("/etc/passwd", passwd, 0o644),
+        Entry::bytes("/etc/group", group, 0o644),
+        Entry::dir("/home", 0o755),
+        Entry::dir("/home/nonroot", 0o700).owned_by(NONROOT, NONROOT),
+        Entry::dir("/tmp", 0o1777),
+    ];
+    let bundle = Path::new("/etc/ssl/certs/ca-certificates.crt");
+    if bundle.is_file() {
+        entries.extend([
+            Entry::dir("/etc/ssl", 0o755),
+            Entry::dir("/etc/ssl/certs", 0o755),
+            Entry::file("/etc/ssl/certs/ca-certificates.crt", bundle, 0o644),
+        ]);
+    }
+    entries
+}
+
+/// Digest string (`sha256:<hex>`) of `data`.
+fn digest(data: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(data)))
+}
+
+/// The layer as an uncompressed tar.
+fn layer(entries: &[Entry]) -> Result<Vec<u8>> {
+    let mut b = tar::Builder::new(Vec::new());
+    b.mode(tar::HeaderMode::Deterministic);
+    for e in entries {
+        let path = e.path.trim_start_matches('/');
+        let mut h = tar::Header::new_ustar();
+        h.set_mtime(0);
+        h.set_uid(e.uid);
+        h.set_gid(e.gid);
+        h.set_mode(e.mode);
+        match &e.contents {
+            Contents::Dir => {
+                h.set_entry_type(tar::EntryType::Directory);
+                h.set_size(0);
+                b.append_data(&mut h, format!("{path}/"), std::io::empty())?;
+            }
+            Contents::Bytes(bytes) => {
+                h.set_entry_type(tar::EntryType::Regular);
+                h.set_size(bytes.len() as u64);
+                b.append_data(&mut h, path, bytes.as_slice())?;
+            }
+            Contents::File(src) => {
+                let data =
+                    std::fs::read(src).with_context(|| format!("reading {}", src.display()))?;
+                h.set_entry_type(tar::EntryType::Regular);
+                h.set_size(data.len() as u64);
+                b.append_data(&mut h, path, data.as_slice())?;
+            }
+        }
+    }
+    Ok(b.into_inner()?)
+}
+
+/// Writes `spec` as an OCI image layout tar archive to `out`; returns the manifest digest.
+pub fn write_archive(spec: &ImageSpec, out: &Path) -> Result<String> {
+    let layer = layer(&spec.entries)?;
+    let layer_digest = digest(&layer);
+    let ports: serde_json::Map<String, serde_json::Value> = spec
+        .exposed_ports
+        .iter()
+        .map(|p| (format!("{p}/tcp"), json!({})))
+        .collect();
+    let config = serde_json::to_vec(&json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {
+            "User": spec.user,
+            "Entrypoint": spec.entrypoint,
+            "Env": spec.env,
+            "ExposedPorts": ports,
+        },
+        "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
+        "history": [{"created_by": "flotilla-e2e oci builder"}],
+    }))?;
+    let config_digest = digest(&config);
+    let manifest = serde_json::to_vec(&json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": config_digest,
+            "size": config.len(),
+        },
+        "layers": [{
+            "mediaType": "application/vnd.oci.image.layer.v1.tar",
+            "digest": layer_digest,
+            "size": layer.len(),
+        }],
+    }))?;
+    let manifest_digest = digest(&manifest);
+    let tag = spec.name.rsplit_once(':').map_or("latest", |(_, t)| t);
+    let index = serde_json::to_vec(&json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": manifest_digest,
+            "size": manifest.len(),
+            "platform": {"architecture": "amd64", "os": "linux"},
+            "annotations": {
+                "io.containerd.image.name": spec.name,
+                "org.opencontainers.image.ref.name": tag,
+            },
+        }],
+    }))?;
+    let tmp = out.with_extension("tmp");
+    let file =
+        std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let mut b = tar::Builder::new(std::io::BufWriter::new(file));
+    let mut add = |name: &str, data: &[u8]| -> Result<()> {
+        let mut h = tar::Header::new_ustar();
+        h.set_mtime(0);
+        h.set_mode(0o644);
+        h.set_size(data.len() as u64);
+        h.set_entry_type(tar::EntryType::Regular);
+        b.append_data(&mut h, name, data)?;
+        Ok(())
+    };
+    add("oci-layout", br#"{"imageLayoutVersion":"1.0.0"}"#)?;
+    add("index.json", &index)?;
+    for (d, data) in [
+        (&layer_digest, &layer),
+        (&config_digest, &config),
+        (&manifest_digest, &manifest),
+    ] {
+        add(
+            &format!("blobs/sha256/{}", d.trim_start_matches("sha256:")),
+            data,
+        )?;
+    }
+    b.into_inner()?.into_inner()?.sync_all()?;
+    std::fs::rename(&tmp, out)?;
+    Ok(manifest_digest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read_archive(path: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+        let mut a = tar::Archive::new(std::fs::File::open(path).unwrap());
+        a.entries()
+            .unwrap()
+            .map(|e| {
+                let mut e = e.unwrap();
+                let name = e.path().unwrap().to_string_lossy().into_owned();
+                let mut data = Vec::new();
+                std::io::Read::read_to_end(&mut e, &mut data).unwrap();
+                (name, data)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn hub_image_has_the_dockerfile_layout_and_is_deterministic() {
+        let dir = std::env::temp_dir().join(format!("flotilla-oci-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bin = dir.join("flotilla-hub");
+        std::fs::write(&bin, b"\x7fELF not really").unwrap();
+        let spec = flotilla_image("hub", &bin, "0.1.0");
+        let a = write_archive(&spec, &dir.join("a.tar")).unwrap();
+        let b = write_archive(&spec, &dir.join("b.tar")).unwrap();
+        assert_eq!(a, b, "same input, same manifest digest");
+
+        let files = read_archive(&dir.join("a.tar"));
+        let index: serde_json::Value = serde_json::from_slice(&files["index.json"]).unwrap();
+        let m = &index["manifests"][0];
+        assert_eq!(
+            m["annotations"]["io.containerd.image.name"],
+            "docker.io/library/flotilla-hub:0.1.0"
+        );
+        let manifest: serde_json::Value = serde_json::from_slice(
+            &files[&format!(
+                "blobs/sha256/{}",
+                m["digest"].as_str().unwrap().trim_start_matches("sha256:")
+            )],
+        )
+        .unwrap();
+        let blob = |d: &serde_json::Value| {
+            files[&format!(
+                "blobs/sha256/{}",
+                d.as_str().unwrap().trim_start_matches("sha256:")
+            )]
+                .clone()
+        };
+        let config: serde_json::Value =
+            serde_json::from_slice(&blob(&manifest["config"]["digest"])).unwrap();
+        assert_eq!(config["config"]["User"], "65532:65532");
+        assert_eq!(
+            config["config"]["Entrypoint"],
+            json!(["/usr/local/bin/flotilla-hub"])
+        );
+        let layer = blob(&manifest["layers"][0]["digest"]);
+        assert_eq!(
+            config["rootfs"]["diff_ids"][0].as_str().unwrap(),
+            digest(&layer)
+        );
+        let mut l = tar::Archive::new(layer.as_slice());
+        let mut found = None;
+        for e in l.entries().unwrap() {
+            let e = e.unwrap();
+            if e.path().unwrap() == Path::new("usr/local/bin/flotilla-hub") {
+                found = Some(e.header().mode().unwrap());
+            }
+        }
+        assert_eq!(found, Some(0o755));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,182 @@
+//! Real-node mode only (`flotilla-e2e up --real-nodes`, run by `flotilla-e2e test
+//! --real-nodes`, which passes `--include-ignored`): the hub and the agents run as Pods
+//! from the deploy manifests on the clusters' real nodes; the MyApps' pods stay on the
+//! KWOK nodes; deleting the leading hub Pod fails over to the standby.
+
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use flotilla_crds::{FederatedMyApp, MyApp};
+use flotilla_e2e::federation::wait_member_ready;
+use flotilla_e2e::realnode::{NODE_NAME, REAL_NODE_KEY};
+use flotilla_e2e::{Env, Role, wait_for};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, ListParams, LogParams, Patch, PatchParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+const NS: &str = "flotilla-system";
+const TIMEOUT: Duration = Duration::from_secs(60);
+const IGNORED: &str = "real-node mode only: `flotilla-e2e test --real-nodes`";
+
+async fn real_env() -> Result<Env> {
+    let env = Env::load_ready().await?;
+    if !env.real_nodes {
+        bail!("{IGNORED}: the environment has no real nodes");
+    }
+    Ok(env)
+}
+
+fn ready(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+fn node_of(p: &Pod) -> &str {
+    p.spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .unwrap_or("")
+}
+
+async fn pods(c: &Client, ns: &str, selector: &str) -> Result<Vec<Pod>> {
+    let api: Api<Pod> = Api::namespaced(c.clone(), ns);
+    Ok(api
+        .list(&ListParams::default().labels(selector))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect())
+}
+
+/// One test, two steps in order: the failover disturbs what the first step checks.
+#[tokio::test]
+#[ignore = "real-node mode only: `flotilla-e2e test --real-nodes`"]
+async fn hub_and_agents_run_as_pods_and_the_hub_fails_over() -> Result<()> {
+    let env = real_env().await?;
+    hub_and_agents_run_as_ready_pods_on_the_real_nodes(&env).await?;
+    deleting_the_leading_hub_pod_fails_over_to_the_standby(&env).await
+}
+
+async fn hub_and_agents_run_as_ready_pods_on_the_real_nodes(env: &Env) -> Result<()> {
+    let host = env.client("host").await?;
+    let hubs = pods(&host, NS, "app.kubernetes.io/name=flotilla-hub").await?;
+    assert_eq!(hubs.len(), 2, "deploy/hub runs two hubs");
+    for p in &hubs {
+        assert!(ready(p), "hub Pod {} is not Ready", p.name_any());
+        assert_eq!(node_of(p), NODE_NAME, "hub Pod {}", p.name_any());
+    }
+    let leaders = pods(&host, NS, "flotilla.io/leader=true").await?;
+    assert_eq!(leaders.len(), 1, "exactly one hub Pod leads");
+    for c in env.clusters.iter().filter(|c| c.role == Role::Member) {
+        let client = env.client(&c.name).await?;
+        let agents = pods(&client, NS, "app.kubernetes.io/name=flotilla-agent").await?;
+        let agent = agents
+            .iter()
+            .find(|p| ready(p))
+            .unwrap_or_else(|| panic!("no Ready agent Pod in {}", c.name));
+        assert_eq!(node_of(agent), NODE_NAME);
+        // `kubectl logs`, as the API serves it (apiserver → kubelet → containerd).
+        let logs = Api::<Pod>::namespaced(client.clone(), NS)
+            .logs(&agent.name_any(), &LogParams::default())
+            .await?;
+        assert!(
+            logs.contains("connected to the hub"),
+            "{}: the agent's log shows no session:\n{logs}",
+            c.name
+        );
+        // Nothing without the toleration runs on the real node.
+        let all: Api<Pod> = Api::all(client.clone());
+        for p in all.list(&ListParams::default()).await?.items {
+            let tolerates = p
+                .spec
+                .as_ref()
+                .and_then(|s| s.tolerations.as_ref())
+                .is_some_and(|t| t.iter().any(|t| t.key.as_deref() == Some(REAL_NODE_KEY)));
+            if node_of(&p) == NODE_NAME {
+                assert!(
+                    tolerates,
+                    "{}: Pod {} is on the real node",
+                    c.name,
+                    p.name_any()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn deleting_the_leading_hub_pod_fails_over_to_the_standby(env: &Env) -> Result<()> {
+    let host = env.client("host").await?;
+    let hub_pods: Api<Pod> = Api::namespaced(host.clone(), NS);
+    let old = pods(&host, NS, "flotilla.io/leader=true").await?;
+    let [old] = old.as_slice() else {
+        bail!("expected one leading hub Pod, found {}", old.len());
+    };
+    let old = old.name_any();
+    let start = std::time::Instant::now();
+    hub_pods.delete(&old, &DeleteParams::default()).await?;
+    let new = wait_for(TIMEOUT, "another hub Pod to lead", || async {
+        let leaders = pods(&host, NS, "flotilla.io/leader=true").await?;
+        Ok(leaders
+            .into_iter()
+            .map(|p| p.name_any())
+            .find(|n| *n != old))
+    })
+    .await?;
+    println!(
+        "hub failover: {old} deleted, {new} leads after {:.1}s",
+        start.elapsed().as_secs_f64()
+    );
+    // Through the new leader: a FederatedMyApp reaches every member.
+    let members: Vec<String> = env
+        .clusters
+        .iter()
+        .filter(|c| c.role == Role::Member)
+        .map(|c| c.name.clone())
+        .collect();
+    for m in &members {
+        wait_member_ready(&host, m, true, TIMEOUT).await?;
+    }
+    let name = "real-node-failover";
+    let fed: Api<FederatedMyApp> = Api::namespaced(host.clone(), "default");
+    let app = json!({
+        "apiVersion": "core.kubefed.io/v1beta1",
+        "kind": "FederatedMyApp",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "placement": {"clusters": members.iter().map(|m| json!({"name": m})).collect::<Vec<_>>()},
+            "template": {"spec": {"replicas": 2, "image": "nginx:1.27"}},
+        },
+    });
+    fed.patch(
+        name,
+        &PatchParams::apply("realnodes-test").force(),
+        &Patch::Apply(&app),
+    )
+    .await?;
+    for m in &members {
+        let myapps: Api<MyApp> = Api::namespaced(env.client(m).await?, "default");
+        wait_for(TIMEOUT, &format!("MyApp {name} Ready in {m}"), || async {
+            let a = myapps.get_opt(name).await?;
+            Ok(a.filter(|a| a.status.as_ref().is_some_and(|s| s.ready))
+                .map(|_| ()))
+        })
+        .await?;
+    }
+    fed.delete(name, &DeleteParams::default()).await?;
+    // deploy/hub's Deployment brings the second hub back.
+    wait_for(
+        Duration::from_secs(120),
+        "two Ready hub Pods again",
+        || async {
+            let hubs = pods(&host, NS, "app.kubernetes.io/name=flotilla-hub").await?;
+            Ok((hubs.iter().filter(|p| ready(p)).count() == 2).then_some(()))
+        },
+    )
+    .await?;
+    Ok(())
+}
