@@ -266,8 +266,11 @@ impl Worklist {
         Some((key, wanted))
     }
 
-    fn done(&mut self, key: &Key) {
+    /// A request ended; true if a newer request for the same MyApp waits (it came while
+    /// this one ran, and replaces it).
+    fn done(&mut self, key: &Key) -> bool {
         self.running.remove(key);
+        self.waiting.contains_key(key)
     }
 
     /// Whether to read more of the hub's requests: past a backlog the session stops
@@ -368,14 +371,15 @@ async fn one_session(
             while let Some((key, wanted)) = work.next() {
                 let handler = &handler;
                 running.push(async move {
-                    handler.carry_out(&key, wanted).await;
-                    key
+                    let outcome = handler.carry_out(&key, &wanted).await;
+                    (key, wanted, outcome)
                 });
             }
             let message = tokio::select! {
                 m = inbound.message(), if work.has_room() => m.map_err(SessionError::Stream)?,
-                Some(key) = running.next() => {
-                    work.done(&key);
+                Some((key, wanted, outcome)) = running.next() => {
+                    let superseded = work.done(&key);
+                    handler.record(&key, wanted, outcome, superseded);
                     continue;
                 }
                 _ = retry_tick.tick() => {
@@ -468,29 +472,56 @@ struct Handler<'a> {
     touched: &'a mpsc::UnboundedSender<Key>,
 }
 
+/// How one try of a request ended.
+enum Outcome {
+    Done,
+    /// `retry`: false when retrying the same request cannot help (a refused manifest).
+    Failed {
+        error: String,
+        retry: bool,
+    },
+}
+
 impl Handler<'_> {
-    /// Does what the hub asked; a failure is reported and retried with backoff until it
-    /// succeeds or the hub asks for something else.
-    async fn carry_out(&self, key: &Key, wanted: Wanted) {
-        let done = match &wanted {
+    /// Does what the hub asked, once.
+    async fn carry_out(&self, key: &Key, wanted: &Wanted) -> Outcome {
+        let done = match wanted {
             Wanted::Apply { manifest, .. } => self.sync.apply(key, manifest).await,
             Wanted::Delete { orphan: true } => self.sync.release(key).await,
             Wanted::Delete { orphan: false } => self.sync.delete(key).await,
         };
         match done {
             Ok(()) => {
-                self.retries.clear(key);
-                debug!(app = %key, "done")
+                debug!(app = %key, "done");
+                Outcome::Done
             }
             Err(e @ SyncError::BadManifest { .. }) => {
                 // Retrying the same bytes cannot help: reported, not retried.
                 warn!(app = %key, error = %e, "refused");
-                self.retries.failed(key, wanted, e.to_string(), false);
+                Outcome::Failed {
+                    error: e.to_string(),
+                    retry: false,
+                }
             }
             Err(e) => {
                 warn!(app = %key, error = %e, "failed; will retry");
-                self.retries.failed(key, wanted, e.to_string(), true);
+                Outcome::Failed {
+                    error: e.to_string(),
+                    retry: true,
+                }
             }
+        }
+    }
+
+    /// Keeps a failure for its report and its retry, until a try succeeds; but not when
+    /// a newer request for the MyApp came meanwhile (`superseded`): retried after it, the
+    /// old request would undo it (a failed Delete retried after the Apply of a MyApp
+    /// created again would delete it).
+    fn record(&self, key: &Key, wanted: Wanted, outcome: Outcome, superseded: bool) {
+        match outcome {
+            Outcome::Done => self.retries.clear(key),
+            Outcome::Failed { .. } if superseded => {}
+            Outcome::Failed { error, retry } => self.retries.failed(key, wanted, error, retry),
         }
         let _ = self.touched.send(key.clone());
     }
@@ -737,9 +768,50 @@ mod tests {
             touched: &touched,
         };
         let k = Key::new("ns", "a");
-        handler.carry_out(&k, Wanted::Delete { orphan: true }).await;
-        handler.carry_out(&k, Wanted::Delete { orphan: true }).await;
+        let release = Wanted::Delete { orphan: true };
+        for _ in 0..2 {
+            let outcome = handler.carry_out(&k, &release).await;
+            handler.record(&k, release.clone(), outcome, false);
+        }
         assert_eq!(retries.0.lock()[&k].attempts, 2);
+    }
+
+    /// A request that fails after a newer one for the same MyApp came is not kept for a
+    /// retry: retried after the newer one (a Delete after the Apply of a MyApp created
+    /// again), it would undo it.
+    #[tokio::test]
+    async fn a_failure_a_newer_request_replaced_is_never_retried() {
+        let (store, _writer) = reflector::store::<MyApp>();
+        let sync = Sync::new(crate::unreachable_client(), store);
+        let retries = Retries::default();
+        let (touched, _touched) = mpsc::unbounded_channel();
+        let handler = Handler {
+            sync: &sync,
+            retries: &retries,
+            touched: &touched,
+        };
+        let k = Key::new("ns", "a");
+        let mut work = Worklist::new(8);
+        work.push(k.clone(), Wanted::Delete { orphan: false });
+        let (key, delete) = work.next().unwrap();
+        // While the Delete runs (and fails), the MyApp is created again.
+        retries.clear(&k);
+        work.push(k.clone(), apply("again"));
+        let outcome = handler.carry_out(&key, &delete).await;
+        assert!(matches!(outcome, Outcome::Failed { retry: true, .. }));
+        let superseded = work.done(&key);
+        assert!(superseded);
+        handler.record(&key, delete, outcome, superseded);
+        retries
+            .0
+            .lock()
+            .values_mut()
+            .for_each(|f| f.due = Some(Instant::now()));
+        assert!(
+            retries.take_due().is_empty(),
+            "the failed Delete would be retried"
+        );
+        assert_eq!(what(&work.next().unwrap().1), "again");
     }
 
     /// A failing request is tried again after 1 s, 2 s, 4 s...; a due retry is handed
