@@ -22,6 +22,8 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 
 const CONVERGE: Duration = Duration::from_secs(60);
+/// Longer than an agent's longest reconnect delay (30 s, plus jitter).
+const RECONNECT: Duration = Duration::from_secs(75);
 /// Apps per test, placed on both members.
 const APPS: usize = 10;
 /// Updates in a burst, spread over the apps.
@@ -422,13 +424,22 @@ async fn the_hub_counts_sync_completes_per_member() -> Result<()> {
     let _guard = ONE_AT_A_TIME.lock().await;
     let env = Env::load_ready().await?;
     let f = federation::up(&env).await?;
-    let m = f.metrics(HUB).await?;
-    for c in env.members() {
-        if hub_syncs(&m, c) < 1.0 {
-            bail!("the hub reports no SyncComplete sent to {c}:\n{m}");
+    // An agent that lost its hub in an earlier test may still be in its reconnect
+    // backoff: wait for its session rather than race it.
+    let deadline = Instant::now() + RECONNECT;
+    loop {
+        let m = f.metrics(HUB).await?;
+        let missing: Vec<&str> = (env.members().into_iter())
+            .filter(|c| hub_syncs(&m, c) < 1.0)
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
         }
+        if Instant::now() > deadline {
+            bail!("the hub reports no SyncComplete sent to {missing:?}:\n{m}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    Ok(())
 }
 
 /// A host that lost its FederatedMyApps (a bad restore, a wrong kubeconfig) must not wipe
