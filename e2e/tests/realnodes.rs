@@ -5,13 +5,13 @@
 
 use std::time::Duration;
 
-use anyhow::{Result, bail};
+use anyhow::{Result, anyhow, bail};
 use flotilla_crds::{FederatedMyApp, MyApp};
 use flotilla_e2e::federation::wait_member_ready;
-use flotilla_e2e::realnode::{NODE_NAME, REAL_NODE_KEY};
-use flotilla_e2e::{Env, Role, wait_for};
+use flotilla_e2e::realnode::{self, NODE_NAME, REAL_NODE_KEY};
+use flotilla_e2e::{Env, Role, oci, wait_for};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams, LogParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 
@@ -178,5 +178,100 @@ async fn deleting_the_leading_hub_pod_fails_over_to_the_standby(env: &Env) -> Re
         },
     )
     .await?;
+    Ok(())
+}
+
+/// The install failure this mode exists to catch: an image whose user is a name
+/// (`USER nonroot`, as deploy/Dockerfile once had) under `runAsNonRoot: true` with no
+/// `runAsUser` (as deploy/hub once had) never starts, because the kubelet cannot prove a
+/// name is not root. The same Pod with the hub's image (numeric user 65532) runs.
+#[tokio::test]
+#[ignore = "real-node mode only: `flotilla-e2e test --real-nodes`"]
+async fn run_as_non_root_refuses_an_image_with_a_named_user() -> Result<()> {
+    let env = real_env().await?;
+    let host = env.client("host").await?;
+    let hub = pods(&host, NS, "app.kubernetes.io/name=flotilla-hub").await?;
+    let numeric = hub
+        .first()
+        .and_then(|p| p.spec.as_ref())
+        .and_then(|s| s.containers.first())
+        .and_then(|c| c.image.clone())
+        .ok_or_else(|| anyhow!("no hub Pod to take the image from"))?;
+    // The hub's own static binary, in an image that names its user.
+    let images = realnode::images_dir(&env.dir);
+    let mut named = oci::flotilla_image("hub", &images.join("flotilla-hub"), "e2e-named-user");
+    named.user = "nonroot".into();
+    let archive = images.join("flotilla-hub-named-user.tar");
+    oci::write_archive(&named, &archive)?;
+    realnode::import(&realnode::nodes_dir(&env.dir).join("host"), &archive).await?;
+
+    let api: Api<Pod> = Api::namespaced(host.clone(), "default");
+    let pod = |name: &str, image: &str| -> Result<Pod> {
+        Ok(serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {
+                "restartPolicy": "Never",
+                "securityContext": {"runAsNonRoot": true},
+                "tolerations": [{"key": REAL_NODE_KEY, "operator": "Exists", "effect": "NoSchedule"}],
+                "nodeSelector": {REAL_NODE_KEY: "true"},
+                "containers": [{
+                    "name": "hub", "image": image, "imagePullPolicy": "Never",
+                    "args": ["version"],
+                }],
+            },
+        }))?)
+    };
+    for name in ["named-user", "numeric-user"] {
+        let _ = api
+            .delete(name, &DeleteParams::default().grace_period(0))
+            .await;
+    }
+    wait_for(TIMEOUT, "the Pods of an earlier run to be gone", || async {
+        let left = api.get_opt("named-user").await?.is_some()
+            || api.get_opt("numeric-user").await?.is_some();
+        Ok((!left).then_some(()))
+    })
+    .await?;
+    api.create(
+        &PostParams::default(),
+        &pod("named-user", "flotilla-hub:e2e-named-user")?,
+    )
+    .await?;
+    api.create(&PostParams::default(), &pod("numeric-user", &numeric)?)
+        .await?;
+
+    let refused = wait_for(TIMEOUT, "the named-user Pod to be refused", || async {
+        let p = api.get("named-user").await?;
+        let waiting = (p.status.and_then(|s| s.container_statuses))
+            .and_then(|c| c.into_iter().next())
+            .and_then(|c| c.state)
+            .and_then(|s| s.waiting);
+        Ok(waiting.filter(|w| w.reason.as_deref() == Some("CreateContainerConfigError")))
+    })
+    .await?;
+    let message = refused.message.unwrap_or_default();
+    println!("runAsNonRoot with USER nonroot: CreateContainerConfigError: {message}");
+    assert!(
+        message.contains("non-numeric user (nonroot)"),
+        "the kubelet refused the named user for another reason: {message}"
+    );
+    wait_for(
+        TIMEOUT,
+        "the numeric-user Pod to run to completion",
+        || async {
+            let p = api.get("numeric-user").await?;
+            let phase = p.status.and_then(|s| s.phase).unwrap_or_default();
+            if phase == "Failed" {
+                bail!("the numeric-user Pod failed");
+            }
+            Ok((phase == "Succeeded").then_some(()))
+        },
+    )
+    .await?;
+    for name in ["named-user", "numeric-user"] {
+        api.delete(name, &DeleteParams::default().grace_period(0))
+            .await?;
+    }
     Ok(())
 }
