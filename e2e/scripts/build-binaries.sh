@@ -35,79 +35,45 @@ flock 9
 if have_all; then echo "$out"; exit 0; fi
 
 minor=${k8s#*.}; minor=${minor%%.*}
-missing_k8s=()
-for b in "${k8s_cmds[@]}"; do [ -x "$out/$b" ] || missing_k8s+=("k8s.io/kubernetes/cmd/$b"); done
-if [ ${#missing_k8s[@]} -gt 0 ]; then
-  src=$cache/src/kubernetes-v$k8s
+
+# build_k8s SRC-DIR MODULE CMD...: builds k8s.io/kubernetes/cmd/CMD for each CMD not yet in
+# $out, in a throwaway module of its own at SRC-DIR (cached, so a rebuild resolves nothing).
+build_k8s() {
+  local src=$1 module=$2; shift 2
+  local missing=() m
+  for m in "$@"; do [ -x "$out/$m" ] || missing+=("k8s.io/kubernetes/cmd/$m"); done
+  [ ${#missing[@]} -gt 0 ] || return 0
   mkdir -p "$src"
   cd "$src"
-  log "building Kubernetes v$k8s control plane in $src (cold: tens of minutes on 2 cores)"
-  [ -f go.mod ] || go mod init flotilla.local/k8s-build >/dev/null 2>&1
+  log "building Kubernetes v$k8s $* in $src (cold: tens of minutes on 2 cores)"
+  [ -f go.mod ] || go mod init "$module" >/dev/null 2>&1
   # k8s.io/kubernetes requires every staging module at v0.0.0, which the proxy does not serve:
   # replace each with the release's own tag, listed from the release's go.mod.
+  local gomod staging args=()
   gomod=$(go mod download -json "k8s.io/kubernetes@v$k8s" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
   staging=$(grep -oE '^\s*k8s\.io/[a-z0-9-]+ => \./staging' "$gomod" | awk '{print $1}' | sort -u)
   [ -n "$staging" ] || { log "no staging modules found in $gomod"; exit 1; }
-  args=()
   for m in $staging; do args+=("-replace=$m=$m@v0.$minor.${k8s##*.}"); done
   go mod edit "${args[@]}" "-require=k8s.io/kubernetes@v$k8s"
-  cat > tools.go <<'GO'
-//go:build tools
-
-package tools
-
-import (
-	_ "k8s.io/kubernetes/cmd/kube-apiserver"
-	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
-	_ "k8s.io/kubernetes/cmd/kube-scheduler"
-	_ "k8s.io/kubernetes/cmd/kubectl"
-)
-GO
+  {
+    printf '//go:build tools\n\npackage tools\n\nimport (\n'
+    for m in "${missing[@]}"; do printf '\t_ "%s"\n' "$m"; done
+    printf ')\n'
+  } > tools.go
   go mod tidy -e >&2 2>&1 || true
   go mod tidy >&2
+  local date ld="-s -w" p
   date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-  ld="-s -w"
   for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ld+=" -X $p.gitVersion=v$k8s -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean -X $p.buildDate=$date"
   done
-  go build -trimpath -tags selinux,notest -ldflags "$ld" -o "$out/" "${missing_k8s[@]}" >&2
-fi
+  go build -trimpath -tags selinux,notest -ldflags "$ld" -o "$out/" "${missing[@]}" >&2
+}
 
-missing_node=()
+build_k8s "$cache/src/kubernetes-v$k8s" flotilla.local/k8s-build "${k8s_cmds[@]}"
 if [ "${FLOTILLA_REAL_NODES:-}" = 1 ]; then
-  for b in "${node_cmds[@]}"; do [ -x "$out/$b" ] || missing_node+=("k8s.io/kubernetes/cmd/$b"); done
-fi
-if [ ${#missing_node[@]} -gt 0 ]; then
-  # Its own module, so that the control plane's (above) is left as it is.
-  src=$cache/src/kubernetes-node-v$k8s
-  mkdir -p "$src"
-  cd "$src"
-  log "building Kubernetes v$k8s kubelet and kube-proxy in $src"
-  [ -f go.mod ] || go mod init flotilla.local/k8s-node-build >/dev/null 2>&1
-  gomod=$(go mod download -json "k8s.io/kubernetes@v$k8s" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
-  staging=$(grep -oE '^\s*k8s\.io/[a-z0-9-]+ => \./staging' "$gomod" | awk '{print $1}' | sort -u)
-  [ -n "$staging" ] || { log "no staging modules found in $gomod"; exit 1; }
-  args=()
-  for m in $staging; do args+=("-replace=$m=$m@v0.$minor.${k8s##*.}"); done
-  go mod edit "${args[@]}" "-require=k8s.io/kubernetes@v$k8s"
-  cat > tools.go <<'GO'
-//go:build tools
-
-package tools
-
-import (
-	_ "k8s.io/kubernetes/cmd/kube-proxy"
-	_ "k8s.io/kubernetes/cmd/kubelet"
-)
-GO
-  go mod tidy -e >&2 2>&1 || true
-  go mod tidy >&2
-  date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-  ld="-s -w"
-  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-    ld+=" -X $p.gitVersion=v$k8s -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean -X $p.buildDate=$date"
-  done
-  go build -trimpath -tags selinux,notest -ldflags "$ld" -o "$out/" "${missing_node[@]}" >&2
+  # Its own module, so that the control plane's is left as it is.
+  build_k8s "$cache/src/kubernetes-node-v$k8s" flotilla.local/k8s-node-build "${node_cmds[@]}"
 fi
 
 if [ "${FLOTILLA_REAL_NODES:-}" = 1 ] && [ ! -x "$out/pause" ]; then
