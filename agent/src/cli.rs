@@ -84,8 +84,10 @@ pub struct RunArgs {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub capacity_interval: Duration,
     /// The hub's requests (apply, delete, release) carried out at once; each MyApp's
-    /// requests still run one at a time, in order.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
+    /// requests still run one at a time, in order. Each costs the member's apiserver a
+    /// GET and an apply: 8 at once held 1,000 new MyApps to 7/s on a busy member, 32 kept
+    /// up with the host (BENCHMARKS.md, fan-out rerun).
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
     pub apply_concurrency: u16,
     #[command(flatten)]
     pub operator: OperatorArgs,
