@@ -23,6 +23,32 @@ pub fn cargo_binaries(wanted: &[(&str, &str)]) -> Result<BTreeMap<String, PathBu
     cargo_binaries_with(wanted, &[])
 }
 
+/// Names of the variables cargo set for the crate that runs this process (`cargo run`,
+/// `cargo test`). A cargo started from here must not inherit them: build scripts watch
+/// some of them (ring's watches `CARGO_MANIFEST_DIR` and `CARGO_PKG_NAME`), so they would
+/// differ from the user's cargo and rebuild ring, and all that links rustls, at each step.
+pub fn crate_vars() -> Vec<String> {
+    std::env::vars_os()
+        .filter_map(|(name, _)| name.into_string().ok())
+        .filter(|name| is_crate_var(name))
+        .collect()
+}
+
+fn is_crate_var(name: &str) -> bool {
+    [
+        "CARGO_PKG_",
+        "CARGO_MANIFEST_",
+        "CARGO_CRATE_",
+        "CARGO_BIN_",
+    ]
+    .iter()
+    .any(|prefix| name.starts_with(prefix))
+        || matches!(
+            name,
+            "CARGO_PRIMARY_PACKAGE" | "CARGO_TARGET_TMPDIR" | "OUT_DIR"
+        )
+}
+
 /// [`cargo_binaries`] with more `cargo build` arguments (`--release`, `--target ...`).
 pub fn cargo_binaries_with(
     wanted: &[(&str, &str)],
@@ -30,6 +56,9 @@ pub fn cargo_binaries_with(
 ) -> Result<BTreeMap<String, PathBuf>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(&cargo);
+    for name in crate_vars() {
+        cmd.env_remove(name);
+    }
     cmd.args(["build", "--message-format", "json-render-diagnostics"]);
     cmd.args(extra);
     for (package, bin) in wanted {
@@ -153,6 +182,31 @@ pub fn sample(metrics: &str, name_and_labels: &str) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_running_crate_s_cargo_variables_are_dropped() {
+        for name in [
+            "CARGO_MANIFEST_DIR",
+            "CARGO_MANIFEST_PATH",
+            "CARGO_PKG_NAME",
+            "CARGO_PKG_VERSION_MAJOR",
+            "CARGO_CRATE_NAME",
+            "CARGO_BIN_NAME",
+            "CARGO_PRIMARY_PACKAGE",
+            "OUT_DIR",
+        ] {
+            assert!(is_crate_var(name), "{name}");
+        }
+        for name in [
+            "CARGO",
+            "CARGO_HOME",
+            "CARGO_TARGET_DIR",
+            "CARGO_INCREMENTAL",
+            "PATH",
+        ] {
+            assert!(!is_crate_var(name), "{name}");
+        }
+    }
 
     #[test]
     fn free_ports_are_below_the_ephemeral_range_and_never_repeat() {

@@ -161,7 +161,11 @@ fn time_limit() -> Duration {
 async fn cargo(args: &[&str], dir: &Path, tally: &mut Tally) -> Result<bool> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
     eprintln!("flotilla-e2e test: {cargo} {}", args.join(" "));
-    let mut child = Command::new(&cargo)
+    let mut command = Command::new(&cargo);
+    for name in crate::support::crate_vars() {
+        command.env_remove(name);
+    }
+    let mut child = command
         .args(args)
         .current_dir(workspace_root())
         .env(DIR_VAR, dir)
