@@ -73,7 +73,7 @@ pub fn watch_managed(client: Client) -> (Managed, impl std::future::Future<Outpu
     let config =
         watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
     let (stream, listed) = listed::track(
-        reflector(writer, watcher(Api::<MyApp>::all(client), config)).default_backoff(),
+        crate::sync::reflect(writer, watcher(Api::<MyApp>::all(client), config)).default_backoff(),
     );
     let stream = stream.touched_objects();
     let feed = changes.clone();

@@ -10,8 +10,10 @@ use std::sync::Arc;
 
 use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
 pub use flotilla_proto::AppKey as Key;
+use futures::Stream;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
@@ -49,6 +51,31 @@ pub fn applied_hash(app: &MyApp) -> String {
         .get(HASH_ANNOTATION)
         .cloned()
         .unwrap_or_default()
+}
+
+/// kubectl's copy of the object it last applied (client-side apply).
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// Trims a MyApp to what the agent reads of a cached one: the field managers' sets
+/// (`metadata.managedFields`, each a JSON tree as large as the fields it names) and
+/// kubectl's last-applied copy go; nothing reads them from a cache. Everything a
+/// decision reads stays: name, namespace, uid, resource version, generation, deletion
+/// timestamp, owner references, the labels (the managed-by label), the other
+/// annotations (the content hash), spec and status.
+pub fn trim(app: &mut MyApp) {
+    app.metadata.managed_fields = None;
+    if let Some(annotations) = app.metadata.annotations.as_mut() {
+        annotations.remove(LAST_APPLIED);
+    }
+}
+
+/// A reflector of MyApps that caches them trimmed ([`trim`]): the managed MyApps of the
+/// session, and all MyApps of the operator.
+pub fn reflect<S>(writer: Writer<MyApp>, events: S) -> impl Stream<Item = S::Item>
+where
+    S: Stream<Item = Result<watcher::Event<MyApp>, watcher::Error>>,
+{
+    reflector::reflector(writer, events.modify(trim))
 }
 
 pub struct Sync {
@@ -204,5 +231,58 @@ impl Sync {
                 source,
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+
+    /// The caches of the session and of the operator hold no field managers and no
+    /// last-applied copy (most of a cached MyApp's memory), and everything else as the
+    /// apiserver sent it: the managed-by label and content hash that Hello, the reports
+    /// and the deletion decisions read, the uid of the delete precondition, generation,
+    /// spec and status.
+    #[tokio::test]
+    async fn cached_myapps_keep_what_is_read_and_drop_managed_fields() {
+        let app: MyApp = serde_json::from_value(json!({
+            "apiVersion": "app.example.com/v1", "kind": "MyApp",
+            "metadata": {
+                "name": "a", "namespace": "ns", "uid": "u-1", "resourceVersion": "7", "generation": 2,
+                "labels": {MANAGED_BY_LABEL: MANAGED_BY_VALUE, "team": "x"},
+                "annotations": {HASH_ANNOTATION: "abc", LAST_APPLIED: "{\"spec\":{}}", "note": "kept"},
+                "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "o", "uid": "u-0"}],
+                "managedFields": [{
+                    "manager": "flotilla-agent", "operation": "Apply", "apiVersion": "app.example.com/v1",
+                    "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {"f:replicas": {}, "f:image": {}}}
+                }]
+            },
+            "spec": {"replicas": 3, "image": "nginx:1.27", "config": {"k": "v"}},
+            "status": {"ready": true, "readyReplicas": 3, "observedGeneration": 2}
+        }))
+        .unwrap();
+        let (store, writer) = reflector::store::<MyApp>();
+        let events = futures::stream::iter([
+            Ok(watcher::Event::Init),
+            Ok(watcher::Event::InitApply(app.clone())),
+            Ok(watcher::Event::InitDone),
+        ]);
+        reflect(writer, events).for_each(|_| async {}).await;
+        let cached = store
+            .get(&ObjectRef::new("a").within("ns"))
+            .expect("cached");
+        assert_eq!(cached.metadata.managed_fields, None);
+        assert!(!cached.annotations().contains_key(LAST_APPLIED));
+        assert!(is_managed(&cached));
+        assert_eq!(applied_hash(&cached), "abc");
+        let mut want = app;
+        want.metadata.managed_fields = None;
+        want.annotations_mut().remove(LAST_APPLIED);
+        assert_eq!(
+            serde_json::to_value(&*cached).unwrap(),
+            serde_json::to_value(&want).unwrap(),
+            "nothing else changed"
+        );
     }
 }

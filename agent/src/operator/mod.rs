@@ -148,7 +148,7 @@ pub async fn run_operator(
     for scope in scopes {
         let (reader, writer) = reflector::store::<MyApp>();
         let (apps, listed) = listed::track(
-            reflector(
+            crate::sync::reflect(
                 writer,
                 watcher(
                     api::<MyApp>(&client, scope.as_deref()),
