@@ -753,20 +753,41 @@ mod tests {
         }
     }
 
+    /// A handler whose every request fails, retryably (its apiserver never answers).
+    struct Failing {
+        sync: Sync,
+        retries: Retries,
+        touched: mpsc::UnboundedSender<Key>,
+        _reports: mpsc::UnboundedReceiver<Key>,
+    }
+
+    impl Failing {
+        fn new() -> Failing {
+            let (store, _writer) = reflector::store::<MyApp>();
+            let (touched, reports) = mpsc::unbounded_channel();
+            Failing {
+                sync: Sync::new(crate::unreachable_client(), store),
+                retries: Retries::default(),
+                touched,
+                _reports: reports,
+            }
+        }
+
+        fn handler(&self) -> Handler<'_> {
+            Handler {
+                sync: &self.sync,
+                retries: &self.retries,
+                touched: &self.touched,
+            }
+        }
+    }
+
     /// Each try that fails counts, so that the delay doubles: a try used to clear its
     /// own failure first, and a MyApp that kept failing was retried every second.
     #[tokio::test]
     async fn a_retry_that_fails_again_counts() {
-        // Every request fails, retryably.
-        let (store, _writer) = reflector::store::<MyApp>();
-        let sync = Sync::new(crate::unreachable_client(), store);
-        let retries = Retries::default();
-        let (touched, _touched) = mpsc::unbounded_channel();
-        let handler = Handler {
-            sync: &sync,
-            retries: &retries,
-            touched: &touched,
-        };
+        let f = Failing::new();
+        let (handler, retries) = (f.handler(), &f.retries);
         let k = Key::new("ns", "a");
         let release = Wanted::Delete { orphan: true };
         for _ in 0..2 {
@@ -781,15 +802,8 @@ mod tests {
     /// again), it would undo it.
     #[tokio::test]
     async fn a_failure_a_newer_request_replaced_is_never_retried() {
-        let (store, _writer) = reflector::store::<MyApp>();
-        let sync = Sync::new(crate::unreachable_client(), store);
-        let retries = Retries::default();
-        let (touched, _touched) = mpsc::unbounded_channel();
-        let handler = Handler {
-            sync: &sync,
-            retries: &retries,
-            touched: &touched,
-        };
+        let f = Failing::new();
+        let (handler, retries) = (f.handler(), &f.retries);
         let k = Key::new("ns", "a");
         let mut work = Worklist::new(8);
         work.push(k.clone(), Wanted::Delete { orphan: false });
