@@ -6,8 +6,8 @@ mod key;
 pub mod member;
 pub mod myapp;
 
-pub use key::AppKey;
 pub use federated::{FederatedMyApp, FederatedMyAppSpec, FederatedMyAppStatus};
+pub use key::AppKey;
 pub use member::{MemberCluster, MemberClusterSpec, MemberClusterStatus};
 pub use myapp::{MyApp, MyAppSpec, MyAppStatus};
 

@@ -264,10 +264,7 @@ mod tests {
                     .iter()
                     .map(|(k, v)| (k.to_string(), v.to_string()))
                     .collect();
-                (
-                    n.to_string(),
-                    placement::Member::with_labels(labels),
-                )
+                (n.to_string(), placement::Member::with_labels(labels))
             })
             .collect()
     }

@@ -429,7 +429,11 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Option<Dur
         .reported()
         .filter_map(|(c, p)| Some((c.clone(), p.error()?)))
         .collect();
-    let placement_error = planned.plan.placement_error.as_ref().map(ToString::to_string);
+    let placement_error = planned
+        .plan
+        .placement_error
+        .as_ref()
+        .map(ToString::to_string);
     // A grace period that ends, or replacements that may be Ready, change the division
     // with no change to the app: look again by then.
     let recheck = planned.plan.schedule.as_ref().and_then(|s| s.recheck_after);

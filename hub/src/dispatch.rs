@@ -389,8 +389,8 @@ fn route(state: &State, pushes: Vec<Push>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flotilla_plan::render::RenderedMyApp;
     use bytes::Bytes;
+    use flotilla_plan::render::RenderedMyApp;
 
     fn apply(hash: &str) -> Desired {
         Desired::Apply(Arc::new(RenderedMyApp {

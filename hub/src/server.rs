@@ -25,9 +25,9 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
 use crate::auth::{self, AuthError};
+use crate::convert::{capacity_from_pb, report_from_pb};
 use crate::dispatch::{ClusterQueue, Dispatcher};
 use crate::membership::{self, Membership};
-use crate::convert::{capacity_from_pb, report_from_pb};
 use crate::status::StatusBoard;
 
 /// Messages buffered towards one agent beyond its queue: small, since the queue itself

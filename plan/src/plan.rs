@@ -185,7 +185,9 @@ fn placed(
                     let asked = r.to_value()["spec"]["replicas"].as_u64().unwrap_or(1);
                     assigned.replicas = asked as u32;
                 }
-                let shared = distinct.entry(r.hash.clone()).or_insert_with(|| Arc::new(r));
+                let shared = distinct
+                    .entry(r.hash.clone())
+                    .or_insert_with(|| Arc::new(r));
                 ClusterPlan::Apply(shared.clone())
             }
             Err(e) => ClusterPlan::Keep(KeepReason::RenderFailed(Box::new(e))),
@@ -558,7 +560,10 @@ mod tests {
         let a = weighted(
             "  overrides:\n  - clusterName: c2\n    clusterOverrides:\n    - {path: /spec/replicas, value: 4}\n",
         );
-        assert!(is_ok(&render(&a, &members(&["c1", "c2", "c3"])).unwrap(), "c2"));
+        assert!(is_ok(
+            &render(&a, &members(&["c1", "c2", "c3"])).unwrap(),
+            "c2"
+        ));
     }
 
     #[test]

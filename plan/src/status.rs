@@ -151,7 +151,9 @@ fn tally(inputs: &Inputs<'_>) -> Tally {
                 let connected = inputs.connected.contains(name);
                 applied(&mut tally, &mut entry, &rendered.hash, connected, report)
             }
-            failed => failed.error().map(|message| (Reason::RenderFailed, message)),
+            failed => failed
+                .error()
+                .map(|message| (Reason::RenderFailed, message)),
         };
         if let Some((reason, message)) = problem {
             entry.message = message.clone();
@@ -189,7 +191,9 @@ fn applied(
                 tally.ready += 1;
             } else {
                 entry.message = r.not_ready_reason();
-                tally.not_ready.push(format!("{}: {}", entry.name, entry.message));
+                tally
+                    .not_ready
+                    .push(format!("{}: {}", entry.name, entry.message));
             }
             None
         }
@@ -430,7 +434,11 @@ mod tests {
             ("c1", rendered("h1")),
             (
                 "c2",
-                failed("spec.overrides[0].clusterOverrides[0]", "/spec/x", "nothing here"),
+                failed(
+                    "spec.overrides[0].clusterOverrides[0]",
+                    "/spec/x",
+                    "nothing here",
+                ),
             ),
         ]);
         let s = run(&p, &[("c1", report("h1", true, 3))], &["c1", "c2"]);
@@ -581,6 +589,4 @@ mod tests {
                 .all(|c| c.observed_generation == Some(4))
         );
     }
-
-
 }

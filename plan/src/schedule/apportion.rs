@@ -55,7 +55,11 @@ pub fn divide(total: u32, slots: &[Slot]) -> Result<Vec<u32>, Infeasible> {
     if (total as u64) < min_sum || (total as u64) > max_sum {
         return Err(Infeasible { min_sum, max_sum });
     }
-    let Fill { fixed, rest, weights } = water_fill(total, slots);
+    let Fill {
+        fixed,
+        rest,
+        weights,
+    } = water_fill(total, slots);
     let mut out: Vec<u32> = fixed.iter().map(|f| f.unwrap_or(0)).collect();
     let free: Vec<usize> = (0..slots.len()).filter(|i| fixed[*i].is_none()).collect();
     if weights == 0 {
@@ -87,18 +91,29 @@ fn water_fill(total: u32, slots: &[Slot]) -> Fill {
         let rest = total as u128 - fixed.iter().flatten().map(|v| *v as u128).sum::<u128>();
         let weights: u128 = free.iter().map(|i| slots[*i].weight as u128).sum();
         if free.is_empty() || weights == 0 {
-            return Fill { fixed, rest, weights };
+            return Fill {
+                fixed,
+                rest,
+                weights,
+            };
         }
         // Quota of i is rest * w_i / weights; compare numerators over `weights`.
         let num = |i: usize| rest * slots[i].weight as u128;
         let (mut excess, mut deficit) = (0u128, 0u128);
         for &i in &free {
-            let (lo, up) = (slots[i].min as u128 * weights, slots[i].high() as u128 * weights);
+            let (lo, up) = (
+                slots[i].min as u128 * weights,
+                slots[i].high() as u128 * weights,
+            );
             excess += num(i).saturating_sub(up);
             deficit += lo.saturating_sub(num(i));
         }
         if excess == 0 && deficit == 0 {
-            return Fill { fixed, rest, weights };
+            return Fill {
+                fixed,
+                rest,
+                weights,
+            };
         }
         for &i in &free {
             if excess >= deficit && num(i) > slots[i].high() as u128 * weights {

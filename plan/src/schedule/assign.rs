@@ -195,7 +195,9 @@ impl<'c> Division<'c, '_> {
             if s.max == 0 {
                 return Err(err(
                     SPREAD.to_string(),
-                    format!("cluster {name} must run a replica to meet the spread but can take none"),
+                    format!(
+                        "cluster {name} must run a replica to meet the spread but can take none"
+                    ),
                 ));
             }
             s.min = s.min.max(1);

@@ -27,9 +27,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use flotilla_crds::FederatedMyApp;
-use flotilla_crds::federated::{
-    FederatedMyAppStatus, Placement, SchedulingMode, SchedulingReason,
-};
+use flotilla_crds::federated::{FederatedMyAppStatus, Placement, SchedulingMode, SchedulingReason};
 use flotilla_crds::member::Resources;
 
 use crate::placement::Members;

@@ -8,7 +8,9 @@ use flotilla_crds::federated::{ClusterPreference, Placement, RecoveryPolicy, Spr
 use flotilla_crds::member::Resources;
 use kube::core::{Selector, SelectorExt};
 
-use super::{DEFAULT_GRACE, DEFAULT_REQUEST, MAX_PER_CLUSTER, RS, SPREAD, ScheduleError, Strategy, err};
+use super::{
+    DEFAULT_GRACE, DEFAULT_REQUEST, MAX_PER_CLUSTER, RS, SPREAD, ScheduleError, Strategy, err,
+};
 use crate::placement::{self, Member};
 
 /// The scheduling fields, checked.

@@ -1,8 +1,8 @@
 //! The apportionment maths on its own: `divide` and `hysteresis` (regression seeds in
 //! `proptest-regressions/schedule/tests/apportion.txt`).
 
-use super::*;
 use super::super::apportion::{hysteresis, hysteresis_band};
+use super::*;
 use proptest::prelude::*;
 use proptest::strategy::Strategy;
 
