@@ -275,28 +275,26 @@ impl StatusBoard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bytes::Bytes;
     use flotilla_plan::render::RenderedMyApp;
     use flotilla_plan::{ClusterPlan, KeepReason};
     use serde_json::Value;
 
-    fn rendered(h: &str) -> ClusterPlan {
+    fn rendered(hash: &str) -> ClusterPlan {
+        let hash = hash.into();
         ClusterPlan::Apply(Arc::new(RenderedMyApp {
-            hash: h.into(),
-            json: Bytes::new(),
+            hash,
+            ..Default::default()
         }))
     }
 
     fn plan(entries: &[(&str, ClusterPlan)]) -> Planned {
+        let clusters = entries.iter().map(|(c, p)| (c.to_string(), p.clone()));
+        let plan = AppPlan {
+            clusters: clusters.collect(),
+            ..Default::default()
+        };
         Planned {
-            plan: AppPlan {
-                generation: Some(4),
-                clusters: entries
-                    .iter()
-                    .map(|(c, o)| ((*c).into(), o.clone()))
-                    .collect(),
-                ..Default::default()
-            },
+            plan,
             deleting_on: None,
         }
     }

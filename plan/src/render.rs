@@ -22,7 +22,7 @@ use crate::overrides::{Located, OverrideError};
 pub use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, SOURCE_ANNOTATION};
 
 /// What one cluster gets.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RenderedMyApp {
     /// Hex SHA-256 of the canonical JSON of the MyApp (before the hash annotation).
     pub hash: String,
