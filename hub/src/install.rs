@@ -1,13 +1,14 @@
 //! The member side of `flotilla-hub join`: one YAML stream that `kubectl apply -f`
 //! installs in the member cluster. It is `deploy/base` (namespace, MyApp CRD with its
-//! conversion webhook, the agent's RBAC, Deployment and Service) with the agent switched
-//! to `run` against the hub, plus the credential Secret. Pure: no cluster is contacted.
+//! conversion webhook, the agent's RBAC, the FlowSchema of its Lease, Deployment and
+//! Service) with the agent switched to `run` against the hub, plus the credential
+//! Secret. Pure: no cluster is contacted.
 
 use base64::Engine;
 use serde_json::{Value, json};
 
 /// `deploy/base`, embedded so that the printed install and the kustomize base are one.
-const BASE: [(&str, &str); 5] = [
+const BASE: [(&str, &str); 6] = [
     (
         "deploy/base/namespace.yaml",
         include_str!("../../deploy/base/namespace.yaml"),
@@ -19,6 +20,10 @@ const BASE: [(&str, &str); 5] = [
     (
         "deploy/base/rbac.yaml",
         include_str!("../../deploy/base/rbac.yaml"),
+    ),
+    (
+        "deploy/base/flowschema.yaml",
+        include_str!("../../deploy/base/flowschema.yaml"),
     ),
     (
         "deploy/base/deployment.yaml",
@@ -337,6 +342,7 @@ mod tests {
                 "ClusterRoleBinding/flotilla-agent",
                 "Role/flotilla-agent-leader",
                 "RoleBinding/flotilla-agent-leader",
+                "FlowSchema/flotilla-agent-leader-election",
                 "Secret/flotilla-hub-credentials",
                 "Deployment/flotilla-agent",
                 "Service/flotilla-agent",
@@ -345,7 +351,11 @@ mod tests {
         for d in &docs {
             let namespaced = !matches!(
                 d["kind"].as_str().unwrap(),
-                "Namespace" | "CustomResourceDefinition" | "ClusterRole" | "ClusterRoleBinding"
+                "Namespace"
+                    | "CustomResourceDefinition"
+                    | "ClusterRole"
+                    | "ClusterRoleBinding"
+                    | "FlowSchema"
             );
             assert_eq!(
                 d["metadata"]["namespace"].as_str() == Some(NAMESPACE),

@@ -124,11 +124,13 @@ impl Candidate {
     }
 
     /// When to attempt next, after an attempt that started at `started`: one retry period
-    /// later, or for a standby as soon as the holder's Lease expires if that is sooner.
+    /// later, or for a standby as soon as the holder's Lease expires if that is sooner
+    /// (but never at once again: a Lease that had expired already and could not be
+    /// taken is tried again a period later).
     pub fn next_attempt(&self, started: Instant) -> Instant {
         let period = started + self.timings.retry_period;
         match self.expiry() {
-            Some(expiry) if self.renewed.is_none() => period.min(expiry),
+            Some(expiry) if self.renewed.is_none() && expiry > started => period.min(expiry),
             _ => period,
         }
     }
@@ -486,6 +488,9 @@ mod tests {
         b.observe(Some(held("a", "7", 0)), t0, wall(0));
         assert_eq!(b.next_attempt(t0 + secs(1)), t0 + secs(3));
         assert_eq!(b.next_attempt(t0 + secs(14)), t0 + secs(15));
+        // Expired when the attempt started, and not taken (the write failed): a period
+        // later, not in a loop.
+        assert_eq!(b.next_attempt(t0 + secs(16)), t0 + secs(18));
         let mut a = leader(t0);
         assert!(a.leading(t0));
         assert_eq!(a.next_attempt(t0), t0 + secs(2));
