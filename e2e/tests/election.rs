@@ -190,11 +190,21 @@ async fn next_renewal(host: &Client, lease: &str) -> Result<Instant> {
     .await
 }
 
-#[tokio::test]
-async fn two_candidates_elect_one_and_a_killed_leader_is_replaced_in_time() -> Result<()> {
+/// The environment, a client of the host, and a Lease name of this test's own.
+async fn setup(test: &str) -> Result<(Env, Client, String)> {
     let env = Env::load_ready().await?;
     let host = env.client(env.host()).await?;
-    let lease = lease_name("handover");
+    Ok((env, host, lease_name(test)))
+}
+
+async fn remove(host: &Client, lease: &str) -> Result<()> {
+    leases(host).delete(lease, &DeleteParams::default()).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn two_candidates_elect_one_and_a_killed_leader_is_replaced_in_time() -> Result<()> {
+    let (env, host, lease) = setup("handover").await?;
     let config = host_config(&env, None).await?;
     let a = Candidate::start(config.clone(), &lease, "a")?;
     let b = Candidate::start(config, &lease, "b")?;
@@ -246,17 +256,12 @@ async fn two_candidates_elect_one_and_a_killed_leader_is_replaced_in_time() -> R
     );
     let (id, _, _) = holder(&host, &lease).await?;
     ensure!(id.is_empty(), "released at shutdown, held by {id:?}");
-    leases(&host)
-        .delete(&lease, &DeleteParams::default())
-        .await?;
-    Ok(())
+    remove(&host, &lease).await
 }
 
 #[tokio::test]
 async fn held_up_renewals_change_nothing_before_the_renew_deadline() -> Result<()> {
-    let env = Env::load_ready().await?;
-    let host = env.client(env.host()).await?;
-    let lease = lease_name("held");
+    let (env, host, lease) = setup("held").await?;
     let proxy = Proxy::start(&apiserver(&env).await?).await?;
     let a = Candidate::start(host_config(&env, Some(&proxy)).await?, &lease, "a")?;
     wait_leads(&a, Duration::from_secs(10)).await?;
@@ -312,17 +317,12 @@ async fn held_up_renewals_change_nothing_before_the_renew_deadline() -> Result<(
     for c in [a, b] {
         c.stop().await?;
     }
-    leases(&host)
-        .delete(&lease, &DeleteParams::default())
-        .await?;
-    Ok(())
+    remove(&host, &lease).await
 }
 
 #[tokio::test]
 async fn a_lease_changed_by_someone_else_is_never_overwritten() -> Result<()> {
-    let env = Env::load_ready().await?;
-    let host = env.client(env.host()).await?;
-    let lease = lease_name("intruder");
+    let (env, host, lease) = setup("intruder").await?;
     let a = Candidate::start(host_config(&env, None).await?, &lease, "a")?;
     wait_leads(&a, Duration::from_secs(10)).await?;
     // Someone else writes the Lease, as a replica of another version might.
@@ -351,10 +351,7 @@ async fn a_lease_changed_by_someone_else_is_never_overwritten() -> Result<()> {
     );
     ensure!(back >= LEASE_DURATION, "taken back early: {back:?}");
     a.stop().await?;
-    leases(&host)
-        .delete(&lease, &DeleteParams::default())
-        .await?;
-    Ok(())
+    remove(&host, &lease).await
 }
 
 /// What is asked, as a ServiceAccount.

@@ -22,16 +22,16 @@ const BASE: [(&str, &str); 6] = [
         include_str!("../../deploy/base/rbac.yaml"),
     ),
     (
-        "deploy/base/flowschema.yaml",
-        include_str!("../../deploy/base/flowschema.yaml"),
-    ),
-    (
         "deploy/base/deployment.yaml",
         include_str!("../../deploy/base/deployment.yaml"),
     ),
     (
         "deploy/base/service.yaml",
         include_str!("../../deploy/base/service.yaml"),
+    ),
+    (
+        "deploy/base/flowschema.yaml",
+        include_str!("../../deploy/base/flowschema.yaml"),
     ),
 ];
 
@@ -342,10 +342,10 @@ mod tests {
                 "ClusterRoleBinding/flotilla-agent",
                 "Role/flotilla-agent-leader",
                 "RoleBinding/flotilla-agent-leader",
-                "FlowSchema/flotilla-agent-leader-election",
                 "Secret/flotilla-hub-credentials",
                 "Deployment/flotilla-agent",
                 "Service/flotilla-agent",
+                "FlowSchema/flotilla-agent-leader-election",
             ]
         );
         for d in &docs {
@@ -548,7 +548,7 @@ mod tests {
                 ..install()
             };
             let docs = parse(&render(&i).unwrap());
-            prop_assert_eq!(docs.len(), 10);
+            prop_assert_eq!(docs.len(), 11);
             let objects = by_kind_and_name(&docs);
             let secret_doc = objects["Secret/flotilla-hub-credentials"];
             prop_assert_eq!(b64d(&secret_doc["data"]["token"]), i.token.clone());

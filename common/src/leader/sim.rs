@@ -368,23 +368,20 @@ fn ends_at_the_deadline(written: Instant, ended: Instant) {
 }
 
 #[tokio::test(start_paused = true)]
-async fn under_429s_the_leader_steps_down_at_the_renew_deadline() {
-    let (written, ended) = lead_under(Faults {
-        refuse: true,
-        ..Faults::default()
-    })
-    .await;
-    ends_at_the_deadline(written, ended);
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_call_that_hangs_steps_the_leader_down_at_the_renew_deadline() {
-    let (written, ended) = lead_under(Faults {
-        hang: true,
-        ..Faults::default()
-    })
-    .await;
-    ends_at_the_deadline(written, ended);
+async fn under_429s_or_hung_calls_the_leader_steps_down_at_the_renew_deadline() {
+    for faults in [
+        Faults {
+            refuse: true,
+            ..Faults::default()
+        },
+        Faults {
+            hang: true,
+            ..Faults::default()
+        },
+    ] {
+        let (written, ended) = lead_under(faults).await;
+        ends_at_the_deadline(written, ended);
+    }
 }
 
 #[tokio::test(start_paused = true)]
