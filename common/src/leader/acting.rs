@@ -34,7 +34,7 @@ pub struct NotStopped {
 /// and the earliest moment another replica may take the Lease. The output of work
 /// stopped by `stop` is dropped.
 ///
-/// ```ignore
+/// ```text
 /// // hub/src/status.rs, write_loop:
 /// let ended = leader::while_leading(leading, &shutdown, grace, |stop| {
 ///     self.write_while_leading(&client, &apps, window, stop)
