@@ -256,7 +256,7 @@ SH
 # Every image the node runs, written from the binaries into one `docker save` archive.
 write_images() {
   local root=$1 bin=$2 work=$3 archive=$4 c d
-  local path='--change=ENV PATH=/usr/local/bin:/usr/bin:/bin'
+  local path='--change=ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin'
   for c in kube-apiserver kube-controller-manager kube-scheduler kube-proxy; do
     d=$work/img-$c
     new_image "$d"
@@ -297,11 +297,13 @@ write_images() {
   new_image "$d"
   install -D -m 0755 "$local_path_bin" "$d/usr/local/bin/local-path-provisioner"
   docker_import "$local_path_image" "$d" "$path"
-  docker save -o "$archive" "registry.k8s.io/kube-apiserver:v$k8s" \
-    "registry.k8s.io/kube-controller-manager:v$k8s" "registry.k8s.io/kube-scheduler:v$k8s" \
-    "registry.k8s.io/kube-proxy:v$k8s" "registry.k8s.io/etcd:$etcd-0" \
-    "registry.k8s.io/coredns/coredns:v$coredns" "registry.k8s.io/pause:$pause" \
-    registry.k8s.io/pause:3.10 "$busybox_image" "$cni_image" "$local_path_image"
+  local images=("registry.k8s.io/kube-apiserver:v$k8s" "registry.k8s.io/kube-controller-manager:v$k8s"
+    "registry.k8s.io/kube-scheduler:v$k8s" "registry.k8s.io/kube-proxy:v$k8s" "registry.k8s.io/etcd:$etcd-0"
+    "registry.k8s.io/coredns/coredns:v$coredns" "registry.k8s.io/pause:$pause" registry.k8s.io/pause:3.10
+    "$busybox_image" "$cni_image" "$local_path_image")
+  docker save -o "$archive" "${images[@]}"
+  # They live in the node image only: Docker's own store keeps none of them.
+  docker rmi "${images[@]}" >/dev/null
 }
 
 # The images kubeadm will run must be the ones written here (it pulls nothing: no registry).
@@ -349,8 +351,10 @@ build_node_image() {
   rm -rf "$work"
   trap - EXIT
   # What `docker import` and `docker commit` cannot set (STOPSIGNAL: systemd stops on it).
-  printf '%s\n' "FROM $base" 'STOPSIGNAL SIGRTMIN+3' 'ENTRYPOINT ["/usr/local/bin/entrypoint", "/sbin/init"]' \
-    'CMD []' "LABEL io.flotilla.kind-node.recipe=$recipe" | docker build -q -t "$image" - >/dev/null
+  local out
+  out=$(printf '%s\n' "FROM $base" 'STOPSIGNAL SIGRTMIN+3' 'CMD []' \
+    'ENTRYPOINT ["/usr/local/bin/entrypoint", "/sbin/init"]' "LABEL io.flotilla.kind-node.recipe=$recipe" \
+    | docker build -q -t "$image" - 2>&1) || { log "docker build failed: $out"; exit 1; }
   docker rmi "$base" >/dev/null
 }
 
@@ -370,6 +374,7 @@ flock 9
 go_install kind "$kind_version" sigs.k8s.io/kind >/dev/null
 if ! image_current; then
   log "building the kind node image $image (cold: tens of minutes on 2 cores)"
+  old=$(docker image inspect -f '{{.Id}}' "$image" 2>/dev/null || true)
   bin=$(FLOTILLA_KIND=1 FLOTILLA_KIND_ETCD_VERSION=$etcd nice -n 19 bash "$here/build-binaries.sh")
   check_kubeadm_images "$bin"
   crictl_bin=$(go_install cri-tools "$crictl" sigs.k8s.io/cri-tools/cmd/crictl)
@@ -381,5 +386,7 @@ if ! image_current; then
   kind_src=$(go mod download -json "sigs.k8s.io/kind@v$kind_version" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')
   build_node_image "$bin" "$kind_src"
   log "built $image"
+  # The image it replaces, unless a cluster still runs it.
+  if [ -n "$old" ]; then docker rmi "$old" >/dev/null 2>&1 || true; fi
 fi
 print_env
