@@ -81,8 +81,7 @@ ensure_dockerd() {
     # on first (Docker would, for its containers), so that Docker leaves the policy alone.
     sysctl -qw net.ipv4.ip_forward=1
     (cd / && exec setsid dockerd "${args[@]}" >>"$cache/docker/dockerd.log" 2>&1 </dev/null &)
-    local i
-    for i in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
     docker info >/dev/null 2>&1 || { log "dockerd did not answer in 60 s: $cache/docker/dockerd.log"; exit 1; }
   elif [ ${#args[@]} -gt 0 ] && [ "$(docker info -f '{{.DefaultRuntime}}')" != flotilla-runc ]; then
     log "this host's capability bounding set lacks some capabilities, and the dockerd running"
@@ -180,6 +179,9 @@ node_layout() {
     "$root"/lib/systemd/system/local-fs.target.wants/* "$root"/lib/systemd/system/sockets.target.wants/*udev* \
     "$root"/lib/systemd/system/sockets.target.wants/*initctl* "$root"/lib/systemd/system/basic.target.wants/*
   echo "ReadKMsg=no" >>"$root/etc/systemd/journald.conf"
+  # A privileged node's systemd-sysctl would write these host-wide (fs.protected_*, and pid_max
+  # on kernels before 6.14): the node leaves the host's kernel settings alone.
+  rm -f "$root/usr/lib/sysctl.d/50-pid-max.conf" "$root/usr/lib/sysctl.d/99-protect-links.conf"
   ln -sf /usr/lib/systemd/systemd "$root/sbin/init"
   chroot "$root" systemctl enable kubelet.service containerd.service undo-mount-hacks.service >&2
   chroot "$root" systemctl mask systemd-binfmt.service >&2
@@ -265,8 +267,8 @@ write_images() {
       # kube-proxy runs iptables (nft, as kind's entrypoint picks here) and conntrack.
       mkdir -p "$d/usr/lib" "$d/usr/lib64" "$d/usr/sbin"
       ln -s usr/lib "$d/lib" && ln -s usr/lib64 "$d/lib64" && ln -s usr/sbin "$d/sbin"
-      copy_with_libs "$root" "$d" /usr/sbin/xtables-nft-multi /usr/sbin/conntrack \
-        $(cd "$root" && ls usr/lib/x86_64-linux-gnu/xtables/*.so | sed 's#^#/#')
+      local ext=("$root"/usr/lib/x86_64-linux-gnu/xtables/*.so)
+      copy_with_libs "$root" "$d" /usr/sbin/xtables-nft-multi /usr/sbin/conntrack "${ext[@]#"$root"}"
       for f in iptables iptables-save iptables-restore ip6tables ip6tables-save ip6tables-restore; do
         ln -s xtables-nft-multi "$d/usr/sbin/$f"
       done
@@ -324,7 +326,7 @@ check_kubeadm_images() {
 # The node image: the root filesystem with kind's layout, imported, then the images loaded into
 # its containerd in a build container and committed (kind's pkg/build/nodeimage).
 build_node_image() {
-  local bin=$1 kind_src=$2 rootfs_tar work root base cid i
+  local bin=$1 kind_src=$2 rootfs_tar work root base cid
   rootfs_tar=$(debian_rootfs)
   work=$(mktemp -d "$cache/kind/build.XXXXXX")
   root=$work/root
@@ -341,11 +343,11 @@ build_node_image() {
   # shellcheck disable=SC2064
   trap "docker rm -f -v $cid >/dev/null 2>&1 || true; rm -rf '$work'" EXIT
   docker exec -d "$cid" containerd
-  for i in $(seq 60); do docker exec "$cid" ctr version >/dev/null 2>&1 && break; sleep 1; done
+  for _ in $(seq 60); do docker exec "$cid" ctr version >/dev/null 2>&1 && break; sleep 1; done
   docker exec -i "$cid" ctr --namespace=k8s.io images import --all-platforms --no-unpack --digests - \
     <"$work/images.tar" >&2
   docker exec "$cid" pkill -x containerd
-  for i in $(seq 30); do docker exec "$cid" pgrep -x containerd >/dev/null || break; sleep 1; done
+  for _ in $(seq 30); do docker exec "$cid" pgrep -x containerd >/dev/null || break; sleep 1; done
   docker commit "$cid" "$base" >/dev/null
   docker rm -f -v "$cid" >/dev/null
   rm -rf "$work"
