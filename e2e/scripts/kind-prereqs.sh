@@ -71,7 +71,8 @@ caps_bounded() {
 ensure_dockerd() {
   local args=()
   if caps_bounded; then
-    install -D -m 0755 "$here/runc-bounded.sh" "$cache/docker/runc-bounded"
+    cmp -s "$here/runc-bounded.sh" "$cache/docker/runc-bounded" \
+      || install -D -m 0755 "$here/runc-bounded.sh" "$cache/docker/runc-bounded"
     args=(--add-runtime "flotilla-runc=$cache/docker/runc-bounded" --default-runtime flotilla-runc)
   fi
   if ! docker info >/dev/null 2>&1; then
@@ -364,6 +365,7 @@ image_current() {
   [ "$(docker image inspect -f '{{ index .Config.Labels "io.flotilla.kind-node.recipe" }}' "$image" 2>/dev/null)" = "$recipe" ]
 }
 
+[ "$(id -u)" = 0 ] || { log "needs root (apt-get, dockerd, debootstrap, chroot)"; exit 1; }
 ensure_packages
 ensure_dockerd
 ensure_sysctls
