@@ -15,8 +15,13 @@ clusters=(flotilla-smoke-1 flotilla-smoke-2)
 work=$(mktemp -d)
 log() { echo "kind-smoke: $*" >&2; }
 fail() { log "FAILED: $*"; exit 1; }
+network_before=unknown
 cleanup() {
   for c in "${clusters[@]}"; do "$KIND" delete cluster --name "$c" >/dev/null 2>&1 || true; done
+  # kind keeps its network for the next cluster: it goes with the last one this made it for.
+  if [ -z "$network_before" ] && [ -z "$(docker ps -aq -f network=kind)" ]; then
+    docker network rm kind >/dev/null 2>&1 || true
+  fi
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -26,7 +31,7 @@ iptables_rules() { iptables-save | grep -v '^#' | sed 's/ \[[0-9:]*\]$//'; }
 
 # probe CLUSTER: the Pods, DNS, Service and volume checks in CLUSTER.
 probe() {
-  local k=("$kubectl" --kubeconfig "$work/$1") busybox
+  local k=("$kubectl" --kubeconfig "$work/$1") busybox out
   "${k[@]}" wait --for=condition=Ready node --all --timeout=120s >/dev/null
   "${k[@]}" wait --for=condition=Ready pod --all -n kube-system --timeout=180s >/dev/null
   "${k[@]}" wait --for=condition=Ready pod --all -n local-path-storage --timeout=180s >/dev/null
@@ -65,8 +70,9 @@ EOF
   "${k[@]}" wait --for=condition=Ready pod/web --timeout=120s >/dev/null
   "${k[@]}" wait --for=jsonpath='{.status.phase}'=Succeeded pod/probe --timeout=120s >/dev/null \
     || fail "$1: pod probe: $("${k[@]}" logs probe 2>&1)"
-  "${k[@]}" logs probe | grep -q served-by-web || fail "$1: the Service did not answer"
-  "${k[@]}" logs probe | grep -qx written || fail "$1: the volume did not take a write"
+  out=$("${k[@]}" logs probe)
+  grep -q served-by-web <<<"$out" || fail "$1: the Service did not answer: $out"
+  grep -qx written <<<"$out" || fail "$1: the volume did not take a write: $out"
   log "$1: node Ready, system Pods Ready, DNS, Service and volume work"
 }
 
@@ -79,12 +85,11 @@ for c in "${clusters[@]}"; do
   log "$c created at $((SECONDS - start)) s"
 done
 for c in "${clusters[@]}"; do probe "$c"; done
-for c in "${clusters[@]}"; do "$KIND" delete cluster --name "$c" --kubeconfig "$work/$c"; done
+cleanup
 left=$(docker ps -aq -f label=io.x-k8s.kind.cluster)
 [ -z "$left" ] || fail "kind containers left: $left"
 [ "$(docker volume ls -q)" = "$volumes_before" ] || fail "volumes left: $(docker volume ls -q)"
-# kind keeps its network for the next cluster; it goes with the last one it was made for.
-if [ -z "$network_before" ]; then docker network rm kind >/dev/null; fi
+[ -n "$network_before" ] || [ -z "$(docker network ls -q -f name='^kind$')" ] || fail "network kind left"
 [ "$(iptables_rules)" = "$rules_before" ] || fail "iptables differs: $(diff <(echo "$rules_before") <(iptables_rules))"
 log "both clusters worked and left nothing behind, in $((SECONDS - start)) s"
 echo "kind-smoke: ${#clusters[@]} passed, 0 failed"
