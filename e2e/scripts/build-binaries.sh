@@ -4,10 +4,12 @@
 # and caches them outside the clone, keyed by version. A second run finds them and exits.
 # With FLOTILLA_REAL_NODES=1 it also builds what a real node runs (kubelet, kube-proxy, and
 # the pod sandbox's pause from the Kubernetes source, with gcc -static), into the same dir.
+# With FLOTILLA_KIND=1 (kind-prereqs.sh, for the kind node image) it builds those too, and kubeadm,
+# and etcd at kubeadm's default version (etcd-v$FLOTILLA_KIND_ETCD_VERSION).
 #
 # Usage: build-binaries.sh            prints the directory holding the binaries
 # Env:   FLOTILLA_K8S_VERSION, FLOTILLA_ETCD_VERSION, FLOTILLA_KWOK_VERSION, XDG_CACHE_HOME,
-#        FLOTILLA_REAL_NODES
+#        FLOTILLA_REAL_NODES, FLOTILLA_KIND, FLOTILLA_KIND_ETCD_VERSION
 set -euo pipefail
 
 k8s=${FLOTILLA_K8S_VERSION:-1.34.4}
@@ -18,9 +20,14 @@ out=$cache/bin/k8s-v$k8s-etcd-v$etcd-kwok-v$kwok
 # kubectl too: kwokctl shells out to it (health checks) and would otherwise download one.
 k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
 want=("${k8s_cmds[@]}" etcd kwok kwokctl)
-# Real-node mode only: the default mode never builds (nor waits for) these.
+# Real-node mode and the kind node image only: the default mode never builds (nor waits for) these.
 node_cmds=(kubelet kube-proxy)
-if [ "${FLOTILLA_REAL_NODES:-}" = 1 ]; then want+=("${node_cmds[@]}" pause); fi
+# The etcd kind's kubeadm runs (its `kubeadm config images list`; kind-prereqs.sh sets it).
+kind_etcd=${FLOTILLA_KIND_ETCD_VERSION:-3.6.5}
+if [ "${FLOTILLA_KIND:-}" = 1 ]; then node_cmds+=(kubeadm); want+=("etcd-v$kind_etcd"); fi
+nodes=
+if [ "${FLOTILLA_REAL_NODES:-}" = 1 ] || [ "${FLOTILLA_KIND:-}" = 1 ]; then nodes=1; fi
+if [ -n "$nodes" ]; then want+=("${node_cmds[@]}" pause); fi
 
 have_all() { for b in "${want[@]}"; do [ -x "$out/$b" ] || return 1; done; }
 if have_all; then echo "$out"; exit 0; fi
@@ -71,12 +78,12 @@ build_k8s() {
 }
 
 build_k8s "$cache/src/kubernetes-v$k8s" flotilla.local/k8s-build "${k8s_cmds[@]}"
-if [ "${FLOTILLA_REAL_NODES:-}" = 1 ]; then
+if [ -n "$nodes" ]; then
   # Its own module, so that the control plane's is left as it is.
   build_k8s "$cache/src/kubernetes-node-v$k8s" flotilla.local/k8s-node-build "${node_cmds[@]}"
 fi
 
-if [ "${FLOTILLA_REAL_NODES:-}" = 1 ] && [ ! -x "$out/pause" ]; then
+if [ -n "$nodes" ] && [ ! -x "$out/pause" ]; then
   # The pod sandbox's process, from the same Kubernetes release's source (its module zip
   # carries build/pause); static, so that it runs in an image holding nothing else.
   dir=$(go mod download -json "k8s.io/kubernetes@v$k8s" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')
@@ -85,11 +92,14 @@ if [ "${FLOTILLA_REAL_NODES:-}" = 1 ] && [ ! -x "$out/pause" ]; then
   mv "$out/pause.tmp" "$out/pause"
 fi
 
-if [ ! -x "$out/etcd" ]; then
-  src=$cache/src/etcd-v$etcd
+# build_etcd VERSION FILE: etcd VERSION, built into FILE unless there.
+build_etcd() {
+  local version=$1 file=$2
+  [ -x "$file" ] && return 0
+  local src=$cache/src/etcd-v$version
   mkdir -p "$src"
   cd "$src"
-  log "building etcd v$etcd"
+  log "building etcd v$version"
   [ -f go.mod ] || go mod init flotilla.local/etcd-build >/dev/null 2>&1
   # go install refuses etcd (its go.mod has replace directives): a wrapper main calls etcdmain.
   cat > main.go <<'GO'
@@ -103,10 +113,12 @@ import (
 
 func main() { etcdmain.Main(os.Args) }
 GO
-  go get "go.etcd.io/etcd/server/v3@v$etcd" >&2
+  go get "go.etcd.io/etcd/server/v3@v$version" >&2
   go mod tidy >&2
-  go build -trimpath -ldflags "-s -w" -o "$out/etcd" . >&2
-fi
+  go build -trimpath -ldflags "-s -w" -o "$file" . >&2
+}
+build_etcd "$etcd" "$out/etcd"
+if [ "${FLOTILLA_KIND:-}" = 1 ]; then build_etcd "$kind_etcd" "$out/etcd-v$kind_etcd"; fi
 
 if [ ! -x "$out/kwok" ] || [ ! -x "$out/kwokctl" ]; then
   log "building kwok and kwokctl v$kwok"
