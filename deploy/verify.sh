@@ -5,7 +5,11 @@
 #     clusters' version and the CRD schemas (Flotilla's and the Prometheus Operator's);
 #   - helm lint --strict, and the chart refusing incomplete values;
 #   - promtool check rules and promtool test rules for every alert;
-#   - the copies that must agree: PrometheusRule objects vs the chart's rules file.
+#   - the copies that must agree: PrometheusRule objects vs the chart's rules file;
+#   - the OLM bundles under deploy/olm: kubeconform (with OLM's CRD schemas), their sample
+#     MyApps against the MyApp CRD, operator-framework/api's bundle validators; and, when
+#     e2e/scripts/olm-prereqs.sh has built opm from its source, `opm validate` on the
+#     catalog and `opm render` of each bundle equal to the catalog's entry.
 # Tools it lacks are installed: Debian packages (prometheus for promtool, python3-yaml),
 # Go tools through the Go module proxy (helm, kubeconform, controller-gen), cached under
 # ~/.cache/flotilla/tools. Server-side dry runs against real apiservers are e2e's.
@@ -17,6 +21,8 @@ HELM_VERSION=v4.3.2
 KUBECONFORM_VERSION=v0.7.0
 CONTROLLER_GEN_VERSION=v0.23.0
 PROMETHEUS_OPERATOR_VERSION=v0.95.2
+OPM_VERSION=v1.73.0                    # e2e/scripts/olm-prereqs.sh builds it
+OPERATOR_FRAMEWORK_API_VERSION=v0.45.0 # the operator-framework/api that opm is built with
 CACHE=${FLOTILLA_CACHE:-$HOME/.cache/flotilla}
 TOOLS=$CACHE/tools
 WORK=$(mktemp -d)
@@ -48,6 +54,7 @@ command -v go >/dev/null || { echo "verify.sh needs Go (the e2e environment buil
 HELM=$(go_tool helm helm.sh/helm/v4/cmd/helm "$HELM_VERSION")
 KUBECONFORM=$(go_tool kubeconform github.com/yannh/kubeconform/cmd/kubeconform "$KUBECONFORM_VERSION")
 CONTROLLER_GEN=$(go_tool controller-gen sigs.k8s.io/controller-tools/cmd/controller-gen "$CONTROLLER_GEN_VERSION")
+OPERATOR_VERIFY=$(go_tool operator-verify github.com/operator-framework/api/cmd/operator-verify "$OPERATOR_FRAMEWORK_API_VERSION")
 if command -v kubectl >/dev/null; then
   kustomize() { kubectl kustomize "$@"; }
 else
@@ -70,10 +77,13 @@ if [ ! -s "$PROM_CRDS/monitoring.coreos.com_servicemonitors.yaml" ]; then
   mkdir -p "$PROM_CRDS"
   cp "$WORK"/promcrds-out/*.yaml "$PROM_CRDS/"
 fi
-K8S_DIR=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+module_dir() { go mod download -json "$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])'; }
+K8S_DIR=$(module_dir "k8s.io/kubernetes@$K8S_VERSION")
+# OLM's CRDs (ClusterServiceVersion, ...), as operator-framework/api ships them.
+OLM_API_DIR=$(module_dir "github.com/operator-framework/api@$OPERATOR_FRAMEWORK_API_VERSION")
 SCHEMAS=$WORK/schemas
 python3 deploy/kubeconform-schemas.py "$SCHEMAS" "$K8S_DIR/api/openapi-spec/swagger.json" \
-  crds/flotilla-crds.yaml "$PROM_CRDS"/*.yaml
+  crds/flotilla-crds.yaml "$PROM_CRDS"/*.yaml "$OLM_API_DIR"/crds/operators.coreos.com_*.yaml
 validate() { # validate NAME < manifests
   "$KUBECONFORM" -strict -summary -output text \
     -schema-location "$SCHEMAS/{{ .ResourceKind }}_{{ .Group }}_{{ .ResourceAPIVersion }}.json" - \
@@ -143,4 +153,46 @@ for path in sys.argv[2:]:
         sys.exit(f"{path}: spec differs from {sys.argv[1]}")
     print(f"  {path}: same rules")
 EOF
+# --- OLM -----------------------------------------------------------------------------
+# deploy/olm is generated from deploy/ (`cargo test -p flotilla-olm` fails on drift).
+for bundle in deploy/olm/bundles/*/*/; do
+  bundle=${bundle%/}
+  step "kubeconform and operator-verify $bundle"
+  for f in "$bundle"/manifests/*.yaml; do echo ---; cat "$f"; done | validate "$bundle"
+  python3 - "$bundle"/manifests/*.clusterserviceversion.yaml >"$WORK/examples.yaml" <<'EOF'
+import json, sys, yaml
+csv = yaml.safe_load(open(sys.argv[1]))
+print(yaml.safe_dump_all(json.loads(csv["metadata"]["annotations"]["alm-examples"])))
+EOF
+  validate "$bundle alm-examples" <"$WORK/examples.yaml"
+  # operator-verify reports through its log and exits 0: any error or warning fails here.
+  "$OPERATOR_VERIFY" manifests "$bundle" --object_validate >"$WORK/verify.log" 2>&1
+  if grep -E 'level=(error|warning|fatal)' "$WORK/verify.log"; then exit 1; fi
+done
+OPM=$TOOLS/opm-$OPM_VERSION/opm
+if [ -x "$OPM" ]; then
+  step "opm validate deploy/olm/catalog; opm render of each bundle equals its catalog entry"
+  "$OPM" validate deploy/olm/catalog
+  for bundle in deploy/olm/bundles/*/*/; do
+    "$OPM" render "${bundle%/}" --migrate-level bundle-object-to-csv-metadata -o yaml \
+      --alpha-image-ref-template 'ghcr.io/flotilla/{{.Package}}-bundle:v{{.Version}}'
+  done >"$WORK/rendered.yaml"
+  python3 - "$WORK/rendered.yaml" deploy/olm/catalog/*/catalog.yaml <<'EOF'
+import sys, yaml
+rendered = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+catalog = {d["name"]: d for f in sys.argv[2:] for d in yaml.safe_load_all(open(f)) if d and d["schema"] == "olm.bundle"}
+if sorted(b["name"] for b in rendered) != sorted(catalog):
+    sys.exit(f"the catalog's bundles {sorted(catalog)} are not the bundle directories' {sorted(b['name'] for b in rendered)}")
+for bundle in rendered:
+    if bundle != catalog[bundle["name"]]:
+        sys.exit(f"{bundle['name']}: opm renders the bundle directory differently from the catalog's entry")
+    print(f"  {bundle['name']}: as opm renders it")
+EOF
+  step "opm generate dockerfile: deploy/olm/catalog.Dockerfile"
+  cp -r deploy/olm/catalog "$WORK/catalog"
+  "$OPM" generate dockerfile "$WORK/catalog" -i "quay.io/operator-framework/opm:$OPM_VERSION" -b "quay.io/operator-framework/opm:$OPM_VERSION"
+  grep -v '^# Generated from' deploy/olm/catalog.Dockerfile | diff - "$WORK/catalog.Dockerfile"
+else
+  step "skipping opm validate and render: no $OPM (build it: bash e2e/scripts/olm-prereqs.sh --operator-registry DIR, DIR a checkout of operator-framework/operator-registry at $OPM_VERSION)"
+fi
 step "deploy/verify.sh: all checks passed"
