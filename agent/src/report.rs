@@ -8,6 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use flotilla_crds::MyApp;
+use flotilla_proto::WireKey;
 use flotilla_proto::v1::{self as pb, agent_message};
 use kube::runtime::reflector::Store;
 use tokio::sync::{broadcast, mpsc};

@@ -8,9 +8,10 @@
 //!   hub session. It starts each time this agent gains the Lease and stops each time it
 //!   loses it.
 //!
-//! On a lost Lease both the session and the operator stop (the operator's readiness
-//! gate closes), before another agent may acquire the Lease, and both start anew when
-//! this agent wins it again: one agent per member acts. Keeping the operator through a
+//! On a lost Lease (renewals failed for the renew deadline) both the session and the
+//! operator stop (the operator's readiness gate closes) within the stop grace, lease
+//! duration − renew deadline, before another agent may acquire the Lease, and both start
+//! anew when this agent wins it again: one agent per member acts. Keeping the operator through a
 //! short loss would save a re-list, but a loss is known to be short only once it ended,
 //! and two operators of one cluster must never write at once.
 //!
@@ -84,14 +85,13 @@ pub async fn serve(
         webhook.await.context("conversion webhook")
     });
     let config = args.operator_config();
-    let ready = operator_ready.clone();
     let act = move |stop: CancellationToken| {
         let hub = hub_session(client.clone(), session.clone(), stop.clone());
         let operator = operator::run_operator(
             client.clone(),
             config.clone(),
             metrics.clone(),
-            ready.clone(),
+            operator_ready.clone(),
             stop,
         );
         async move {
@@ -101,11 +101,9 @@ pub async fn serve(
     let election = Election {
         leading,
         campaign,
-        // A leader steps down this long before its Lease expires: the work must have
-        // stopped before another agent can acquire it.
-        stop_within: args.leader.lease_renew_margin,
+        stop_grace: args.leader.stop_grace()?,
     };
-    spawn_elected(&mut tasks, election, act, move || operator_ready.close());
+    spawn_elected(&mut tasks, election, act);
     info!(http = %args.http_addr, "flotilla-agent starting");
     tasks.run().await?;
     info!("flotilla-agent stopped");
@@ -116,26 +114,27 @@ pub async fn serve(
 struct Election {
     leading: watch::Receiver<bool>,
     campaign: BoxFuture<'static, ()>,
-    /// How long the work may take to stop after a loss: until another agent may
-    /// acquire the Lease.
-    stop_within: Duration,
+    /// How long the work may take to stop once `leading` turned false: until another
+    /// agent may acquire the Lease (`LeaderArgs::stop_grace`).
+    stop_grace: Duration,
 }
 
-/// Adds the campaign and the work it gates (`act`, while this agent holds the Lease)
-/// to `tasks`; `on_lost` runs each time the work stopped after a loss.
-fn spawn_elected<A, W>(
-    tasks: &mut Supervisor,
-    election: Election,
-    act: A,
-    on_lost: impl Fn() + Send + 'static,
-) where
+/// Adds the campaign and the work it gates to `tasks`: `act` runs while this agent holds
+/// the Lease (see [`leader::while_leading`]). One that loses it (its apiserver failed
+/// its renewals for the renew deadline) stops acting and waits as a standby again, so
+/// that two agents never act at once; work that does not stop within the grace (before
+/// another agent may take over) ends the process instead, which its Deployment
+/// restarts: a process that cannot stop acting must not go on. Work or an election that
+/// ends on its own ends the process too (the supervisor names the task).
+fn spawn_elected<A, W>(tasks: &mut Supervisor, election: Election, mut act: A)
+where
     A: FnMut(CancellationToken) -> W + Send + 'static,
     W: Future<Output = ()> + Send + 'static,
 {
     let Election {
         leading,
         campaign,
-        stop_within,
+        stop_grace,
     } = election;
     tasks.spawn("leader-election", async move {
         campaign.await;
@@ -143,57 +142,25 @@ fn spawn_elected<A, W>(
     });
     let shutdown = tasks.shutdown();
     tasks.spawn("acting", async move {
-        act_while_leading(leading, stop_within, &shutdown, act, on_lost).await
-    });
-}
-
-/// Runs `act` while this agent holds the Lease, until shutdown. One that loses it (its
-/// apiserver gone for longer than the Lease, another agent took over) stops acting
-/// before anything else (`on_lost`) and waits as a standby again, so that two agents
-/// never act at once. Work that does not stop within `grace` (before another agent
-/// may take over) ends the process instead, which its Deployment restarts: a process
-/// that cannot stop acting must not go on. Ok when shutdown stopped it, or when the work
-/// or the election ended on their own (the supervisor then stops the process).
-async fn act_while_leading<W>(
-    active: watch::Receiver<bool>,
-    grace: Duration,
-    shutdown: &CancellationToken,
-    mut act: impl FnMut(CancellationToken) -> W,
-    on_lost: impl Fn(),
-) -> anyhow::Result<()>
-where
-    W: Future<Output = ()>,
-{
-    loop {
-        if !became_active(active.clone(), shutdown).await {
-            return Ok(());
+        if !*leading.borrow() {
+            info!("standby: waiting for the agent Lease");
         }
-        let stop = shutdown.child_token();
-        let work = act(stop.clone());
-        tokio::pin!(work);
-        tokio::select! {
-            // Stopped on its own: the process restarts whole.
-            () = &mut work => return Ok(()),
-            () = lost(active.clone()) => {}
-            () = shutdown.cancelled() => {}
-        }
-        stop.cancel();
-        if tokio::time::timeout(grace, work).await.is_err() {
-            anyhow::bail!(
-                "the agent's work did not stop within {grace:?} of {}; exiting",
-                if shutdown.is_cancelled() {
-                    "shutdown"
-                } else {
-                    "losing the agent Lease"
+        let stopping = shutdown.clone();
+        let work = move |stop: CancellationToken| {
+            info!("active: holding the agent Lease");
+            let work = act(stop.clone());
+            let stopping = stopping.clone();
+            async move {
+                work.await;
+                if stop.is_cancelled() && !stopping.is_cancelled() {
+                    warn!("lost the agent Lease: stopped acting");
+                    info!("standby: waiting for the agent Lease");
                 }
-            );
-        }
-        if shutdown.is_cancelled() {
-            return Ok(());
-        }
-        on_lost();
-        warn!("lost the agent Lease: stopped acting");
-    }
+            }
+        };
+        leader::while_leading(leading, &shutdown, stop_grace, work).await?;
+        Ok(())
+    });
 }
 
 /// The session with the hub, with the watches it reads, until `stop`.
@@ -221,29 +188,6 @@ async fn hub_session(
     }
 }
 
-/// Waits until this agent holds the Lease (at once without `--leader-elect`); false
-/// if the process stops first, or the election ended.
-async fn became_active(mut active: watch::Receiver<bool>, shutdown: &CancellationToken) -> bool {
-    if !*active.borrow() {
-        info!("standby: waiting for the agent Lease");
-    }
-    let active = tokio::select! {
-        _ = shutdown.cancelled() => return false,
-        // An election that ended leads no more, whatever it said last (acting on its
-        // last word spun: lost at once, active at once).
-        held = active.wait_for(|a| *a) => held.is_ok(),
-    } && active.has_changed().is_ok();
-    if active {
-        info!("active");
-    }
-    active
-}
-
-/// Resolves when the Lease is lost (or the election ended).
-async fn lost(mut active: watch::Receiver<bool>) {
-    let _ = active.wait_for(|a| !*a).await;
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -254,7 +198,8 @@ mod tests {
 
     use super::*;
 
-    const STOP_WITHIN: Duration = Duration::from_secs(2);
+    /// The default timings' stop grace: lease duration 15 s − renew deadline 10 s.
+    const STOP_GRACE: Duration = Duration::from_secs(5);
 
     /// The agent's tasks around a fake election whose campaign never ends, not even at
     /// shutdown (as one stuck in a release the apiserver never answers), and work that
@@ -264,7 +209,6 @@ mod tests {
         sigterm: CancellationToken,
         started: Arc<AtomicUsize>,
         running: Arc<AtomicUsize>,
-        lost: Arc<AtomicUsize>,
         run: tokio::task::JoinHandle<Result<(), Stopped>>,
     }
 
@@ -282,8 +226,7 @@ mod tests {
         fn start(leading: bool, obeys: bool) -> Agent {
             let (lease, active) = watch::channel(leading);
             let sigterm = CancellationToken::new();
-            let (started, running, lost): (Arc<AtomicUsize>, Arc<AtomicUsize>, Arc<AtomicUsize>) =
-                Default::default();
+            let (started, running): (Arc<AtomicUsize>, Arc<AtomicUsize>) = Default::default();
             let mut tasks = Supervisor::new(sigterm.clone(), SHUTDOWN_GRACE);
             let http = sigterm.clone();
             tasks.spawn("http", async move {
@@ -304,33 +247,29 @@ mod tests {
                     }
                 }
             };
-            let l = Arc::clone(&lost);
-            let on_lost = move || {
-                l.fetch_add(1, Ordering::SeqCst);
-            };
             let election = Election {
                 leading: active,
                 campaign: std::future::pending().boxed(),
-                stop_within: STOP_WITHIN,
+                stop_grace: STOP_GRACE,
             };
-            spawn_elected(&mut tasks, election, act, on_lost);
+            spawn_elected(&mut tasks, election, act);
             Agent {
                 lease,
                 sigterm,
                 started,
                 running,
-                lost,
                 run: tokio::spawn(tasks.run()),
             }
         }
 
-        fn counts(&self) -> (usize, usize, usize) {
+        /// (starts, running now).
+        fn counts(&self) -> (usize, usize) {
             let get = |c: &AtomicUsize| c.load(Ordering::SeqCst);
-            (get(&self.started), get(&self.running), get(&self.lost))
+            (get(&self.started), get(&self.running))
         }
 
         /// SIGTERM: the process must end within the grace (plus a second).
-        async fn sigterm(self) -> (Result<(), Stopped>, (usize, usize, usize)) {
+        async fn sigterm(self) -> (Result<(), Stopped>, (usize, usize)) {
             let at = Instant::now();
             self.sigterm.cancel();
             let ended = tokio::time::timeout(SHUTDOWN_GRACE + Duration::from_secs(1), self.run)
@@ -341,7 +280,6 @@ mod tests {
             let counts = (
                 self.started.load(Ordering::SeqCst),
                 self.running.load(Ordering::SeqCst),
-                self.lost.load(Ordering::SeqCst),
             );
             (ended, counts)
         }
@@ -356,10 +294,10 @@ mod tests {
     async fn sigterm_ends_a_standby() {
         let agent = Agent::start(false, true);
         settle().await;
-        assert_eq!(agent.counts(), (0, 0, 0));
+        assert_eq!(agent.counts(), (0, 0));
         let (ended, counts) = agent.sigterm().await;
         ended.unwrap();
-        assert_eq!(counts, (0, 0, 0), "never acted");
+        assert_eq!(counts, (0, 0), "never acted");
     }
 
     /// The Lease holder ends on SIGTERM, its work stopped.
@@ -367,10 +305,10 @@ mod tests {
     async fn sigterm_ends_an_active_agent() {
         let agent = Agent::start(true, true);
         settle().await;
-        assert_eq!(agent.counts(), (1, 1, 0));
+        assert_eq!(agent.counts(), (1, 1));
         let (ended, counts) = agent.sigterm().await;
         ended.unwrap();
-        assert_eq!(counts, (1, 0, 0));
+        assert_eq!(counts, (1, 0));
     }
 
     /// The Lease lost and won back, twice (an overloaded apiserver): the work stops at
@@ -383,21 +321,17 @@ mod tests {
         for n in 1..=2 {
             agent.lease.send_replace(false);
             settle().await;
-            assert_eq!(agent.counts(), (n, 0, n), "stopped after loss {n}");
+            assert_eq!(agent.counts(), (n, 0), "stopped after loss {n}");
             agent.lease.send_replace(true);
             settle().await;
-            assert_eq!(
-                agent.counts(),
-                (n + 1, 1, n),
-                "started again after gain {n}"
-            );
+            assert_eq!(agent.counts(), (n + 1, 1), "started again after gain {n}");
         }
         agent.lease.send_replace(false);
         settle().await;
-        assert_eq!(agent.counts(), (3, 0, 3));
+        assert_eq!(agent.counts(), (3, 0));
         let (ended, counts) = agent.sigterm().await;
         ended.unwrap();
-        assert_eq!(counts, (3, 0, 3));
+        assert_eq!(counts, (3, 0));
     }
 
     /// Work that ignores SIGTERM is aborted at the end of the grace.
@@ -416,13 +350,13 @@ mod tests {
     }
 
     /// Work that does not stop after a loss is dropped before another agent may take
-    /// the Lease, and the process ends (non-zero, naming the task) within the grace.
+    /// the Lease (the stop grace), and the process ends (non-zero, naming the task).
     #[tokio::test(start_paused = true)]
     async fn work_that_does_not_stop_after_a_loss_ends_the_process() {
         let agent = Agent::start(true, false);
         settle().await;
         agent.lease.send_replace(false);
-        tokio::time::sleep(STOP_WITHIN + Duration::from_millis(10)).await;
+        tokio::time::sleep(STOP_GRACE + Duration::from_millis(10)).await;
         assert_eq!(agent.running.load(Ordering::SeqCst), 0, "still acting");
         let ended = tokio::time::timeout(SHUTDOWN_GRACE + Duration::from_secs(1), agent.run)
             .await
@@ -430,7 +364,7 @@ mod tests {
             .unwrap();
         let error = ended.unwrap_err().to_string();
         assert!(
-            error.contains("acting failed") && error.contains("losing the agent Lease"),
+            error.contains("acting failed") && error.contains("losing the Lease"),
             "{error}"
         );
     }

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use flotilla_crds::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
+use flotilla_proto::WireKey;
 use flotilla_proto::client::{self, Dial, DialError, HubClient};
 use flotilla_proto::v1::{self as pb, hub_message};
 use futures::StreamExt;

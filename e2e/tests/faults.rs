@@ -658,8 +658,8 @@ async fn a_rotated_token_changes_nothing_but_the_credential() -> Result<()> {
 
 /// Two hubs, elected, behind what stands in for their Service (new connections go to the
 /// Lease holder): the leader is SIGKILLed, every app changes during the failover, the
-/// standby leads within 10 s, the agents follow it, everything converges and nothing is
-/// deleted.
+/// standby leads within the lease duration and a retry period (15 s + 2 s, and 1 s for
+/// the calls), the agents follow it, everything converges and nothing is deleted.
 #[tokio::test]
 async fn the_standby_hub_takes_over_when_the_leader_is_sigkilled() -> Result<()> {
     run("fault-hub-failover", |ctx| async move {
@@ -709,8 +709,8 @@ async fn the_standby_hub_takes_over_when_the_leader_is_sigkilled() -> Result<()>
                 took.as_secs_f64()
             );
             ensure!(
-                took < Duration::from_secs(10),
-                "the standby took {took:?} to lead (the bound is 10 s)"
+                took < Duration::from_secs(18),
+                "the standby took {took:?} to lead (the bound is 18 s)"
             );
             // The agents reach the new leader: it completed a sync with each.
             wait_for(
@@ -760,9 +760,9 @@ fn member_clients(env: &Env, member: &str) -> Result<Vec<faults::Component>> {
         .collect()
 }
 
-/// An agent whose apiserver stops for longer than its Lease (6 s) loses the Lease and
-/// stops acting (not ready); once the apiserver is back the same process wins the Lease
-/// again and acts again: `/readyz` 200, a new FederatedMyApp's MyApp lands there, the
+/// An agent whose apiserver stops for 20 s, past its renew deadline (10 s) and its Lease
+/// duration (15 s), stops leading and stops acting (not ready); once the apiserver is
+/// back the same process wins the Lease again and acts again: `/readyz` 200, a new FederatedMyApp's MyApp lands there, the
 /// environment converges and nothing was deleted. (An agent stayed a standby for good,
 /// "waiting for: operator", before.)
 #[tokio::test]
@@ -853,8 +853,9 @@ fn sigterm_ends(p: &ProcessRecord, state: &str) -> Result<()> {
 }
 
 /// SIGTERM ends an agent within 10 s whatever it is doing: leading and in session; a
-/// standby without the Lease; its apiserver down (just stopped, still holding the Lease,
-/// and past the Lease). Nothing is deleted, and everything converges after.
+/// standby without the Lease; its apiserver down (for 1 s: still leading, its renewals
+/// failing; for 12 s: past the renew deadline of 10 s, no longer leading, its Lease
+/// never released). Nothing is deleted, and everything converges after.
 #[tokio::test]
 async fn sigterm_ends_an_agent_within_10s_in_every_state() -> Result<()> {
     run("fault-agent-sigterm", |ctx| async move {

@@ -120,7 +120,7 @@ struct Context {
 }
 
 /// Runs the MyApp controller until `shutdown` fires, opening `ready` once every watched
-/// namespace has been listed. Meant to run beside the hub session in `flotilla-agent
+/// namespace has been listed and closing it when it stops. Meant to run beside the hub session in `flotilla-agent
 /// run`, and alone in `flotilla-agent operator`.
 pub async fn run_operator(
     client: Client,
@@ -205,6 +205,7 @@ pub async fn run_operator(
         controllers.push(async move { listed.run_controller(run, &stop).await });
     }
     info!(namespaces = ?config.namespaces, resync = ?config.resync, "MyApp operator starting");
+    let gate = ready.clone();
     let synced = async move {
         for listed in listings {
             // Only fails if the watch ended, i.e. at shutdown.
@@ -216,6 +217,9 @@ pub async fn run_operator(
         info!("MyApp operator synced");
     };
     tokio::join!(join_all(controllers), synced);
+    // Not ready while stopped: an agent that lost its Lease is a standby until it acts
+    // again (and a new operator opens the gate once it has listed).
+    gate.close();
     info!("MyApp operator stopped");
 }
 
@@ -490,16 +494,21 @@ mod tests {
     use super::*;
 
     /// An agent that loses its Lease while its apiserver has not answered yet (nothing
-    /// listed) must stop acting: it hung for good here before, and ignored SIGTERM.
+    /// listed) must stop acting: it hung for good here before, and ignored SIGTERM. A
+    /// stopped operator is not ready (the gate an earlier operator opened closes), so
+    /// that an agent that lost its Lease reads as a standby.
     #[tokio::test]
     async fn stops_when_its_apiserver_never_answered() {
         let client = crate::unreachable_client();
         let stop = CancellationToken::new();
+        let readiness = Readiness::default();
+        let gate = readiness.gate("operator");
+        gate.open();
         let run = tokio::spawn(run_operator(
             client,
             OperatorConfig::default(),
             Arc::new(Metrics::default()),
-            Readiness::default().gate("operator"),
+            gate,
             stop.clone(),
         ));
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -508,5 +517,6 @@ mod tests {
             .await
             .expect("the operator did not stop")
             .unwrap();
+        assert_eq!(readiness.waiting(), ["operator"]);
     }
 }

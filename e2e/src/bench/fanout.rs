@@ -31,12 +31,13 @@ use anyhow::{Context, Result, bail, ensure};
 use bytes::Bytes;
 use flotilla_crds::{FederatedMyApp, MemberCluster};
 use flotilla_hub::auth::token_sha256;
-use flotilla_hub::controller::{key_of, plan_app};
+use flotilla_hub::controller::key_of;
 use flotilla_hub::dispatch::Dispatcher;
-use flotilla_hub::index::Desired;
 use flotilla_hub::membership::{self, Membership};
 use flotilla_hub::server::FederationService;
-use flotilla_hub::status::StatusBoard;
+use flotilla_hub::status::{Planned, StatusBoard};
+use flotilla_plan::index::Desired;
+use flotilla_plan::plan;
 use flotilla_proto::client::{self, Dial, MAX_MESSAGE};
 use flotilla_proto::v1::federation_server::{Federation, FederationServer};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
@@ -272,13 +273,20 @@ fn hub_service(
     for a in 0..size.apps {
         let app = fed_app(a, size);
         let key = key_of(&app);
-        let (plan, desired) = plan_app(&app, &members);
+        let plan = plan(&app, &members);
+        let desired = plan.desired();
         pairs += desired
             .values()
             .filter(|d| matches!(d, Desired::Apply(_)))
             .count();
         dispatcher.set_app(&key, app.metadata.generation, desired);
-        status.set_plan(&key, plan);
+        status.set_plan(
+            &key,
+            Planned {
+                plan,
+                deleting_on: None,
+            },
+        );
         apps.push(app);
     }
     ensure!(
@@ -316,7 +324,7 @@ impl Bare {
         let members = (0..size.clusters)
             .map(|i| (cluster_name(i), Default::default()))
             .collect();
-        let (_, desired) = plan_app(&fed_app(0, size), &members);
+        let desired = plan(&fed_app(0, size), &members).desired();
         let Some(Desired::Apply(one)) = desired.into_values().last() else {
             bail!("the sample app did not render");
         };
