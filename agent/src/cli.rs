@@ -1,26 +1,22 @@
-//! Command line: `operator` runs the MyApp operator alone against the current kubeconfig
-//! (or the in-cluster config), for one cluster without a hub.
+//! Command line: `run` joins the hub; `operator` runs the MyApp operator alone against
+//! the current kubeconfig (or the in-cluster config), for one cluster without a hub.
+//! Both are wired in [`crate::run`].
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use k8s_openapi::jiff::SignedDuration;
 
-use crate::capacity;
-use crate::operator::{self, Namespaces, OperatorConfig};
-use crate::session::{self, SessionConfig};
+use crate::operator::{Namespaces, OperatorConfig};
+use crate::session::SessionConfig;
+use crate::webhook::WebhookConfig;
 use crate::webhook::crd::Endpoint;
-use crate::webhook::{WebhookConfig, run_webhook};
-use flotilla_common::http::{self, Readiness};
 use flotilla_common::kubeconfig::KubeArgs;
 use flotilla_common::leader;
-use flotilla_common::metrics::Metrics;
-use flotilla_common::{shutdown, telemetry};
-use tokio_util::sync::CancellationToken;
+use flotilla_common::telemetry;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -227,292 +223,19 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Operator(args) => {
             telemetry::init(cli.log_json);
-            serve(&cli.kube, args, None).await
+            crate::run::serve(&cli.kube, args, None).await
         }
         Command::Run(args) => {
             telemetry::init(cli.log_json);
             let session = args.session_config()?;
-            serve(&cli.kube, args.operator, Some(session)).await
+            crate::run::serve(&cli.kube, args.operator, Some(session)).await
         }
     }
-}
-
-/// Runs the operator, the webhook and the HTTP endpoints, and with a session config the
-/// hub session too, until SIGTERM.
-async fn serve(
-    kube: &KubeArgs,
-    args: OperatorArgs,
-    session: Option<SessionConfig>,
-) -> anyhow::Result<()> {
-    let shutdown = shutdown::on_signal().context("installing the SIGTERM handler")?;
-    let kube_config = kube.config().await.context("connecting to Kubernetes")?;
-    let client = kube::Client::try_from(kube_config.clone()).context("connecting to Kubernetes")?;
-    let (active, campaign) =
-        leader::elect(kube_config, &args.leader, leader::AGENT, shutdown.clone())?;
-    let metrics = Arc::new(Metrics::default());
-    let readiness = Readiness::default();
-    let operator_ready = readiness.gate("operator");
-    let webhook_ready = readiness.gate("webhook");
-    let router = http::router(metrics.clone(), readiness);
-    let server = http::serve(args.http_addr, router, shutdown.clone());
-    let webhook = run_webhook(
-        client.clone(),
-        args.webhook.webhook_config(),
-        webhook_ready,
-        shutdown.clone(),
-    );
-    let config = args.operator_config();
-    // What the active agent does; `stop` ends it when the Lease is lost.
-    let act = |stop: CancellationToken| {
-        let hub = hub_session(client.clone(), session.clone(), stop.clone());
-        let operator = operator::run_operator(
-            client.clone(),
-            config.clone(),
-            metrics.clone(),
-            operator_ready.clone(),
-            stop,
-        );
-        async move {
-            tokio::join!(operator, hub);
-        }
-    };
-    let acting = async {
-        let acted = act_while_leading(active, args.leader.lease_duration, &shutdown, act, || {
-            operator_ready.close()
-        })
-        .await;
-        shutdown.cancel();
-        acted
-    };
-    // A component that stops on its own takes the others down: the process restarts whole.
-    let (served, hooked, acted, ()) = tokio::join!(
-        async {
-            let served = server.await;
-            shutdown.cancel();
-            served
-        },
-        async {
-            let hooked = webhook.await;
-            shutdown.cancel();
-            hooked
-        },
-        acting,
-        campaign,
-    );
-    served.with_context(|| format!("serving on {}", args.http_addr))?;
-    hooked.context("conversion webhook")?;
-    acted
-}
-
-/// Runs `act` while this agent holds the Lease, until shutdown. Only the agent holding
-/// the Lease acts: one that loses it (its apiserver gone for longer than the Lease,
-/// another agent took over) stops acting before anything else (`on_lost`) and waits as
-/// a standby again, so that two agents never act at once. Work that does not stop
-/// within `grace` (about when another agent may take over) ends the process instead,
-/// which its Deployment restarts: a process that cannot stop acting must not go on.
-async fn act_while_leading<W>(
-    active: tokio::sync::watch::Receiver<bool>,
-    grace: Duration,
-    shutdown: &CancellationToken,
-    mut act: impl FnMut(CancellationToken) -> W,
-    on_lost: impl Fn(),
-) -> anyhow::Result<()>
-where
-    W: std::future::Future<Output = ()>,
-{
-    loop {
-        if !became_active(active.clone(), shutdown).await {
-            return Ok(());
-        }
-        let stop = shutdown.child_token();
-        let work = act(stop.clone());
-        tokio::pin!(work);
-        tokio::select! {
-            // Stopped on its own: the process restarts whole.
-            () = &mut work => return Ok(()),
-            () = lost(active.clone()) => {}
-            () = shutdown.cancelled() => {}
-        }
-        stop.cancel();
-        if tokio::time::timeout(grace, work).await.is_err() {
-            anyhow::bail!(
-                "the agent's work did not stop within {grace:?} of {}; exiting",
-                if shutdown.is_cancelled() {
-                    "shutdown"
-                } else {
-                    "losing the agent Lease"
-                }
-            );
-        }
-        if shutdown.is_cancelled() {
-            return Ok(());
-        }
-        on_lost();
-        tracing::warn!("lost the agent Lease: stopped acting");
-    }
-}
-
-/// The session with the hub, with the watches it reads, until `stop`.
-async fn hub_session(
-    client: kube::Client,
-    session: Option<SessionConfig>,
-    stop: CancellationToken,
-) {
-    let Some(session) = session else { return };
-    let (managed, watch) = session::watch_managed(client.clone());
-    let (capacity, capacity_watch) = match session.capacity_interval {
-        Some(_) => {
-            let (source, watch) = capacity::watch(client.clone());
-            (Some(source), futures::future::Either::Left(watch))
-        }
-        None => (
-            None,
-            futures::future::Either::Right(futures::future::pending()),
-        ),
-    };
-    tokio::select! {
-        _ = session::run(client, session, managed, capacity, stop) => {}
-        _ = watch => {}
-        _ = capacity_watch => {}
-    }
-}
-
-/// Waits until this agent holds the Lease (at once without `--leader-elect`); false
-/// if the process stops first.
-async fn became_active(
-    mut active: tokio::sync::watch::Receiver<bool>,
-    shutdown: &CancellationToken,
-) -> bool {
-    if !*active.borrow() {
-        tracing::info!("standby: waiting for the agent Lease");
-    }
-    let active = tokio::select! {
-        _ = shutdown.cancelled() => return false,
-        held = active.wait_for(|a| *a) => held.is_ok(),
-    };
-    if active {
-        tracing::info!("active");
-    }
-    active
-}
-
-/// Resolves when the Lease is lost (or the election ended).
-async fn lost(mut active: tokio::sync::watch::Receiver<bool>) {
-    let _ = active.wait_for(|a| !*a).await;
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
     use super::*;
-
-    /// Work that stops when told, counting how often it started.
-    fn obedient(
-        started: &AtomicUsize,
-    ) -> impl FnMut(CancellationToken) -> futures::future::BoxFuture<'static, ()> + '_ {
-        use futures::FutureExt;
-        move |stop| {
-            started.fetch_add(1, Ordering::SeqCst);
-            async move { stop.cancelled().await }.boxed()
-        }
-    }
-
-    async fn settle() {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-
-    /// The Lease lost and won back (an overloaded apiserver): the agent stops acting,
-    /// then acts again — it stayed a standby for good before.
-    #[tokio::test]
-    async fn acts_again_when_the_lease_comes_back() {
-        let (lease, active) = tokio::sync::watch::channel(true);
-        let shutdown = CancellationToken::new();
-        let (started, lost) = (AtomicUsize::new(0), AtomicUsize::new(0));
-        let run = act_while_leading(
-            active,
-            Duration::from_secs(5),
-            &shutdown,
-            obedient(&started),
-            || {
-                lost.fetch_add(1, Ordering::SeqCst);
-            },
-        );
-        let flap = async {
-            settle().await;
-            for _ in 0..3 {
-                lease.send_replace(false);
-                settle().await;
-                lease.send_replace(true);
-                settle().await;
-            }
-            assert_eq!(started.load(Ordering::SeqCst), 4);
-            assert_eq!(lost.load(Ordering::SeqCst), 3);
-            shutdown.cancel();
-        };
-        let (acted, ()) = tokio::join!(run, flap);
-        acted.unwrap();
-    }
-
-    /// Work that ignores the stop ends the process (an error) within the grace, after
-    /// losing the Lease or at shutdown: it must neither act without the Lease nor
-    /// ignore SIGTERM.
-    #[tokio::test]
-    async fn work_that_does_not_stop_ends_the_process() {
-        for lose_lease in [true, false] {
-            let (lease, active) = tokio::sync::watch::channel(true);
-            let shutdown = CancellationToken::new();
-            let stubborn = |_| std::future::pending::<()>();
-            let run = act_while_leading(
-                active,
-                Duration::from_millis(200),
-                &shutdown,
-                stubborn,
-                || {},
-            );
-            let fault = async {
-                settle().await;
-                if lose_lease {
-                    lease.send_replace(false);
-                } else {
-                    shutdown.cancel();
-                }
-            };
-            let (acted, ()) =
-                tokio::time::timeout(Duration::from_secs(5), async { tokio::join!(run, fault) })
-                    .await
-                    .expect("the agent hung");
-            let error = acted.unwrap_err().to_string();
-            let cause = if lose_lease {
-                "losing the agent Lease"
-            } else {
-                "shutdown"
-            };
-            assert!(error.contains(cause), "{error}");
-        }
-    }
-
-    /// Shutdown while acting: the work stops and the loop ends cleanly.
-    #[tokio::test]
-    async fn shutdown_stops_the_work() {
-        let (_lease, active) = tokio::sync::watch::channel(true);
-        let shutdown = CancellationToken::new();
-        let started = AtomicUsize::new(0);
-        let run = act_while_leading(
-            active,
-            Duration::from_secs(5),
-            &shutdown,
-            obedient(&started),
-            || panic!("the Lease was not lost"),
-        );
-        let stop = async {
-            settle().await;
-            shutdown.cancel();
-        };
-        let (acted, ()) = tokio::join!(run, stop);
-        acted.unwrap();
-        assert_eq!(started.load(Ordering::SeqCst), 1);
-    }
 
     fn parse(args: &[&str]) -> OperatorArgs {
         let cli = Cli::try_parse_from([&["flotilla-agent", "operator"], args].concat()).unwrap();

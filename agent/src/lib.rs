@@ -1,14 +1,21 @@
 //! The Flotilla agent, one per member cluster. Modules follow the data flow: `session`
-//! talks to the hub and `sync` writes the MyApps it receives; `capacity` measures the
-//! cluster's room for pods for the hub's scheduling; `operator` turns each MyApp
-//! into a running Deployment; `report` sends their status back; `webhook` converts
-//! between MyApp versions for the apiserver. Health, metrics, logs and shutdown come from
-//! `flotilla-common`, shared with the hub; `cli` wires them together.
+//! talks to the hub and hands its commands to `sync`, which keeps them in a `queue` (the
+//! latest wish per MyApp, retried with backoff) and writes the MyApps; after the initial
+//! sync `collect` says which orphans go; `report` sends their status back; `cache` holds
+//! the MyApps the agent reads. Beside them, `capacity` measures the cluster's room for
+//! pods for the hub's scheduling, `operator` turns each MyApp into a running Deployment,
+//! and `webhook` converts between MyApp versions for the apiserver. Health, metrics,
+//! logs, shutdown, supervision and leader election come from `flotilla-common`, shared
+//! with the hub; `run` wires them together and `cli` reads the command line.
 
+pub mod cache;
 pub mod capacity;
 pub mod cli;
+pub mod collect;
 pub mod operator;
+pub mod queue;
 pub mod report;
+pub mod run;
 pub mod session;
 pub mod sync;
 pub mod webhook;
@@ -24,4 +31,25 @@ fn unreachable_client() -> kube::Client {
         .port();
     let config = kube::Config::new(format!("https://127.0.0.1:{port}").parse().unwrap());
     kube::Client::try_from(config).unwrap()
+}
+
+/// A listed cache holding managed MyApps `ns/<name>` for each of `names`.
+#[cfg(test)]
+fn store_of(names: &[&str]) -> kube::runtime::reflector::Store<flotilla_crds::MyApp> {
+    use flotilla_crds::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
+    use kube::runtime::watcher::Event;
+    let (store, mut writer) = kube::runtime::reflector::store();
+    writer.apply_watcher_event(&Event::Init);
+    for name in names {
+        let app = serde_json::from_value(serde_json::json!({
+            "apiVersion": "app.example.com/v1", "kind": "MyApp",
+            "metadata": {"name": name, "namespace": "ns", "uid": format!("uid-{name}"),
+                         "labels": {MANAGED_BY_LABEL: MANAGED_BY_VALUE}},
+            "spec": {"replicas": 1, "image": "nginx:1.27"},
+        }))
+        .unwrap();
+        writer.apply_watcher_event(&Event::InitApply(app));
+    }
+    writer.apply_watcher_event(&Event::InitDone);
+    store
 }

@@ -1,10 +1,158 @@
-//! Report: the status of managed MyApps, as the hub wants it.
+//! Report: what the agent tells the hub in a session. Every managed MyApp's status once,
+//! then each change; the error of a request that keeps failing until it succeeds; a
+//! collection the circuit breaker holds back; a heartbeat every `heartbeat`, with the
+//! cluster's capacity when the limiter lets it through. A status report equal to the
+//! last one sent is not sent again, but the outcome of a request the hub made always is.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
 use flotilla_crds::MyApp;
 use flotilla_proto::WireKey;
-use flotilla_proto::v1 as pb;
+use flotilla_proto::v1::{self as pb, agent_message};
+use kube::runtime::reflector::Store;
+use tokio::sync::{broadcast, mpsc};
 
-use crate::sync::{Key, applied_hash, is_managed};
+use crate::cache::{self, Key, applied_hash, is_managed};
+use crate::capacity;
+
+/// What the session's work tells the report loop.
+#[derive(Debug, PartialEq)]
+pub enum Notice {
+    /// A try of the hub's request for `key` ended; `error` until one succeeds.
+    Tried { key: Key, error: Option<String> },
+    /// The circuit breaker holds back a collection.
+    CollectionBlocked(pb::CollectionBlocked),
+}
+
+fn agent(kind: agent_message::Kind) -> pb::AgentMessage {
+    pb::AgentMessage { kind: Some(kind) }
+}
+
+/// The reports of one session, sent on `tx` until it closes (see the module's header).
+pub async fn report_loop(
+    store: Store<MyApp>,
+    mut changes: broadcast::Receiver<Key>,
+    mut notices: mpsc::UnboundedReceiver<Notice>,
+    tx: mpsc::Sender<pb::AgentMessage>,
+    heartbeat: Duration,
+    mut capacity: Option<(capacity::Source, capacity::Limiter)>,
+) {
+    let mut reports = Reports::new(store);
+    let mut tick = tokio::time::interval(heartbeat);
+    loop {
+        for report in reports.take() {
+            let status = agent(agent_message::Kind::Status(report));
+            if tx.send(status).await.is_err() {
+                return;
+            }
+        }
+        let open = tokio::select! {
+            _ = tick.tick() => heartbeat_and_capacity(&tx, capacity.as_mut()).await,
+            Some(notice) = notices.recv() => match notice {
+                Notice::Tried { key, error } => reports.tried(key, error),
+                Notice::CollectionBlocked(blocked) => {
+                    let blocked = agent(agent_message::Kind::CollectionBlocked(blocked));
+                    tx.send(blocked).await.is_ok()
+                }
+            },
+            change = changes.recv() => match change {
+                Ok(key) => reports.changed(key),
+                // Fell behind: resend whatever differs.
+                Err(broadcast::error::RecvError::Lagged(_)) => reports.all(),
+                Err(broadcast::error::RecvError::Closed) => false,
+            },
+        };
+        if !open {
+            return;
+        }
+    }
+}
+
+/// What the hub heard last of each MyApp, and which reports are due. The changing
+/// methods return true (the loop goes on).
+struct Reports {
+    store: Store<MyApp>,
+    sent: HashMap<Key, pb::StatusReport>,
+    /// The error of each MyApp whose latest request keeps failing.
+    errors: HashMap<Key, String>,
+    due: Vec<Key>,
+    /// Due even if unchanged: the outcome of a request the hub made is always sent, as
+    /// the hub may be waiting for exactly that confirmation.
+    forced: HashSet<Key>,
+}
+
+impl Reports {
+    fn new(store: Store<MyApp>) -> Self {
+        let mut reports = Reports {
+            store,
+            sent: HashMap::new(),
+            errors: HashMap::new(),
+            due: Vec::new(),
+            forced: HashSet::new(),
+        };
+        reports.all();
+        reports
+    }
+
+    /// Every MyApp cached, and every one reported before.
+    fn all(&mut self) -> bool {
+        let cached = self.store.state().into_iter().map(|a| cache::key_of(&*a));
+        self.due = cached.chain(self.sent.keys().cloned()).collect();
+        true
+    }
+
+    fn changed(&mut self, key: Key) -> bool {
+        self.due.push(key);
+        true
+    }
+
+    fn tried(&mut self, key: Key, error: Option<String>) -> bool {
+        match error {
+            Some(error) => self.errors.insert(key.clone(), error),
+            None => self.errors.remove(&key),
+        };
+        self.forced.insert(key.clone());
+        self.changed(key)
+    }
+
+    /// The reports due that differ from the last sent, or are forced.
+    fn take(&mut self) -> Vec<pb::StatusReport> {
+        let mut out = Vec::new();
+        for key in std::mem::take(&mut self.due) {
+            let mut report = status_report(&key, cache::get(&self.store, &key).as_deref());
+            if let Some(error) = self.errors.get(&key) {
+                report.apply_error = error.clone();
+            }
+            if self.forced.remove(&key) || self.sent.get(&key) != Some(&report) {
+                self.sent.insert(key, report.clone());
+                out.push(report);
+            }
+        }
+        out
+    }
+}
+
+/// A heartbeat, and the capacity if it changed and the limiter lets it through; false
+/// when the session is gone.
+async fn heartbeat_and_capacity(
+    tx: &mpsc::Sender<pb::AgentMessage>,
+    capacity: Option<&mut (capacity::Source, capacity::Limiter)>,
+) -> bool {
+    let beat = agent(agent_message::Kind::Heartbeat(pb::Heartbeat {}));
+    if tx.send(beat).await.is_err() {
+        return false;
+    }
+    let Some((source, limiter)) = capacity else {
+        return true;
+    };
+    let Some(now) = source.now() else { return true };
+    if !limiter.admit(&now, std::time::Instant::now()) {
+        return true;
+    }
+    let message = agent(agent_message::Kind::Capacity(capacity::to_pb(&now)));
+    tx.send(message).await.is_ok()
+}
 
 /// The report for a MyApp as it stands, or for one that is gone (or no longer managed).
 pub fn status_report(key: &Key, app: Option<&MyApp>) -> pb::StatusReport {
@@ -42,6 +190,76 @@ pub fn status_report(key: &Key, app: Option<&MyApp>) -> pb::StatusReport {
 mod tests {
     use super::*;
     use flotilla_crds::MyAppStatus;
+
+    fn kind(m: Option<pb::AgentMessage>) -> agent_message::Kind {
+        m.expect("a message").kind.expect("a kind")
+    }
+
+    /// A failing request's error rides on its MyApp's report until a try succeeds, each
+    /// outcome is sent even when it reads like the last report, a change that alters
+    /// nothing is not, and a held-back collection is passed on.
+    #[tokio::test(start_paused = true)]
+    async fn outcomes_are_reported_and_unchanged_reports_are_not() {
+        let a = Key::new("ns", "a");
+        let (changes_tx, changes) = broadcast::channel(16);
+        let (notices_tx, notices) = mpsc::unbounded_channel();
+        let (tx, mut rx) = mpsc::channel(16);
+        let task = tokio::spawn(report_loop(
+            crate::store_of(&["a"]),
+            changes,
+            notices,
+            tx,
+            Duration::from_secs(10),
+            None,
+        ));
+        let status = |m| match kind(m) {
+            agent_message::Kind::Status(r) => {
+                (Key::from_wire(r.key).unwrap(), r.exists, r.apply_error)
+            }
+            other => panic!("not a status report: {other:?}"),
+        };
+        assert_eq!(status(rx.recv().await), (a.clone(), true, String::new()));
+        assert!(matches!(
+            kind(rx.recv().await),
+            agent_message::Kind::Heartbeat(_)
+        ));
+        for _ in 0..2 {
+            let error = Some("boom".to_string());
+            notices_tx
+                .send(Notice::Tried {
+                    key: a.clone(),
+                    error,
+                })
+                .unwrap();
+            assert_eq!(status(rx.recv().await), (a.clone(), true, "boom".into()));
+        }
+        notices_tx
+            .send(Notice::Tried {
+                key: a.clone(),
+                error: None,
+            })
+            .unwrap();
+        assert_eq!(status(rx.recv().await), (a.clone(), true, String::new()));
+        changes_tx.send(a.clone()).unwrap();
+        let blocked = pb::CollectionBlocked {
+            would_collect: 3,
+            managed: 4,
+        };
+        notices_tx.send(Notice::CollectionBlocked(blocked)).unwrap();
+        assert_eq!(
+            kind(rx.recv().await),
+            agent_message::Kind::CollectionBlocked(blocked),
+            "the unchanged report was sent again"
+        );
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(matches!(
+            kind(rx.recv().await),
+            agent_message::Kind::Heartbeat(_)
+        ));
+        drop(rx);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        task.await.unwrap();
+    }
 
     fn key() -> Key {
         Key::new("ns", "a")

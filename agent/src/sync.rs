@@ -1,4 +1,9 @@
-//! Sync: carries the hub's Apply and Delete into the member cluster.
+//! Sync: carries the hub's requests into the member cluster.
+//!
+//! [`carry_out`] takes the session's commands in order, keeps them in a [`KeyedQueue`]
+//! (latest wish per MyApp, one at a time each, retried with backoff), and has the
+//! [`Applier`] do each. After SyncComplete it asks [`collect`](crate::collect) which
+//! orphans go.
 //!
 //! MyApps are written by server-side apply under the agent's own field manager and carry
 //! the `app.kubernetes.io/managed-by: flotilla` label. The agent deletes a MyApp only when
@@ -9,15 +14,91 @@
 use std::sync::Arc;
 
 use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
-pub use flotilla_proto::AppKey as Key;
-use futures::Stream;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
-use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
-use kube::runtime::{WatchStreamExt, watcher};
+use futures::stream::FuturesUnordered;
+use futures::{Stream, StreamExt};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tracing::{debug, info, warn};
+
+use crate::cache::{self, Key, is_managed};
+use crate::collect::{Collection, Collector};
+use crate::queue::{Failed, KeyedQueue, retry_backoff};
+use crate::report::Notice;
+use crate::session::HubCommand;
 
 pub const FIELD_MANAGER: &str = "flotilla-agent";
+
+/// What the hub asked for one MyApp.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Request {
+    Apply {
+        manifest: bytes::Bytes,
+    },
+    /// `orphan`: stop managing it but leave it running (`kubefed.io/orphan`).
+    Delete {
+        orphan: bool,
+    },
+}
+
+/// Carries out `commands` until they end (the session ended), up to `concurrency`
+/// requests at once; tells `notices` how each try ended and when a collection is held
+/// back. Requests still running when the session ends are dropped: the next session's
+/// Hello tells the hub where each MyApp stands.
+pub async fn carry_out<S, E>(
+    commands: S,
+    applier: &Applier,
+    collector: &Collector,
+    concurrency: usize,
+    notices: &mpsc::UnboundedSender<Notice>,
+) -> Result<(), E>
+where
+    S: Stream<Item = Result<HubCommand, E>>,
+{
+    let mut commands = std::pin::pin!(commands);
+    let mut queue = KeyedQueue::new(concurrency, retry_backoff());
+    let mut running = FuturesUnordered::new();
+    loop {
+        while let Some((key, request)) = queue.start() {
+            running.push(async move {
+                let result = applier.carry_out(&key, &request).await;
+                (key, result)
+            });
+        }
+        let command = tokio::select! {
+            command = commands.next(), if queue.has_room() => command,
+            Some((key, result)) = running.next() => {
+                let error = queue.done(&key, result);
+                let _ = notices.send(Notice::Tried { key, error });
+                continue;
+            }
+            () = queue.retry_due() => continue,
+        };
+        match command.transpose()? {
+            None => return Ok(()),
+            Some(HubCommand::Apply { key, manifest }) => {
+                queue.push(key, Request::Apply { manifest });
+            }
+            Some(HubCommand::Delete { key, orphan }) => queue.push(key, Request::Delete { orphan }),
+            Some(HubCommand::SyncComplete {
+                desired,
+                confirmed_collection,
+            }) => match collector.collect(&desired, confirmed_collection) {
+                Collection::Orphans(orphans) => {
+                    for orphan in orphans {
+                        info!(app = %orphan, "collecting an orphan the hub no longer wants");
+                        queue.push(orphan, Request::Delete { orphan: false });
+                    }
+                }
+                Collection::Held(blocked) => {
+                    let _ = notices.send(Notice::CollectionBlocked(blocked));
+                }
+            },
+        }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
@@ -35,56 +116,14 @@ pub enum SyncError {
     },
 }
 
-pub fn is_managed(app: &MyApp) -> bool {
-    app.labels()
-        .get(MANAGED_BY_LABEL)
-        .is_some_and(|v| v == MANAGED_BY_VALUE)
-}
-
-pub fn key_of(app: &MyApp) -> Key {
-    Key::new(app.namespace().unwrap_or_default(), app.name_any())
-}
-
-/// The applied content hash of a managed MyApp.
-pub fn applied_hash(app: &MyApp) -> String {
-    app.annotations()
-        .get(HASH_ANNOTATION)
-        .cloned()
-        .unwrap_or_default()
-}
-
-/// kubectl's copy of the object it last applied (client-side apply).
-const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
-
-/// Trims a MyApp to what the agent reads of a cached one: the field managers' sets
-/// (`metadata.managedFields`, each a JSON tree as large as the fields it names) and
-/// kubectl's last-applied copy go; nothing reads them from a cache. Everything a
-/// decision reads stays: name, namespace, uid, resource version, generation, deletion
-/// timestamp, owner references, the labels (the managed-by label), the other
-/// annotations (the content hash), spec and status.
-pub fn trim(app: &mut MyApp) {
-    app.metadata.managed_fields = None;
-    if let Some(annotations) = app.metadata.annotations.as_mut() {
-        annotations.remove(LAST_APPLIED);
-    }
-}
-
-/// A reflector of MyApps that caches them trimmed ([`trim`]): the managed MyApps of the
-/// session, and all MyApps of the operator.
-pub fn reflect<S>(writer: Writer<MyApp>, events: S) -> impl Stream<Item = S::Item>
-where
-    S: Stream<Item = Result<watcher::Event<MyApp>, watcher::Error>>,
-{
-    reflector::reflector(writer, events.modify(trim))
-}
-
-pub struct Sync {
+/// Writes the hub's MyApps into the member cluster.
+pub struct Applier {
     client: Client,
     /// MyApps carrying the managed-by label, kept by the agent's reflector.
     managed: Store<MyApp>,
 }
 
-impl Sync {
+impl Applier {
     pub fn new(client: Client, managed: Store<MyApp>) -> Self {
         Self { client, managed }
     }
@@ -93,9 +132,34 @@ impl Sync {
         Api::namespaced(self.client.clone(), namespace)
     }
 
-    fn get_managed(&self, key: &Key) -> Option<std::sync::Arc<MyApp>> {
-        self.managed
-            .get(&ObjectRef::new(&key.name).within(&key.namespace))
+    /// Does what the hub asked, once.
+    pub async fn carry_out(&self, key: &Key, request: &Request) -> Result<(), Failed> {
+        let done = match request {
+            Request::Apply { manifest } => self.apply(key, manifest).await,
+            Request::Delete { orphan: true } => self.release(key).await,
+            Request::Delete { orphan: false } => self.delete(key).await,
+        };
+        match done {
+            Ok(()) => {
+                debug!(app = %key, "done");
+                Ok(())
+            }
+            Err(e @ SyncError::BadManifest { .. }) => {
+                // Retrying the same bytes cannot help: reported, not retried.
+                warn!(app = %key, error = %e, "refused");
+                Err(Failed {
+                    error: e.to_string(),
+                    retry: false,
+                })
+            }
+            Err(e) => {
+                warn!(app = %key, error = %e, "failed; will retry");
+                Err(Failed {
+                    error: e.to_string(),
+                    retry: true,
+                })
+            }
+        }
     }
 
     pub async fn apply(&self, key: &Key, manifest: &[u8]) -> Result<(), SyncError> {
@@ -122,7 +186,7 @@ impl Sync {
             )));
         }
         let api = self.api(&key.namespace);
-        if self.get_managed(key).is_none() {
+        if cache::get(&self.managed, key).is_none() {
             // Not one of ours (as far as the cache knows): make sure no one else's is there.
             match api.get_opt(&key.name).await {
                 Ok(Some(existing)) if !is_managed(&existing) => {
@@ -152,21 +216,10 @@ impl Sync {
         })
     }
 
-    /// Every managed MyApp as the apiserver has it now (not the cache): what Hello
-    /// lists, so that the hub takes nothing for absent that exists.
-    pub async fn list_managed(&self) -> Result<Vec<MyApp>, kube::Error> {
-        let params =
-            ListParams::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
-        Ok(Api::<MyApp>::all(self.client.clone())
-            .list(&params)
-            .await?
-            .items)
-    }
-
     /// The managed MyApp at `key`, from the cache or, on a miss or when `fresh`, from
     /// the apiserver: a MyApp applied a moment ago may not have reached the cache yet.
     async fn find_managed(&self, key: &Key, fresh: bool) -> Result<Option<Arc<MyApp>>, SyncError> {
-        if !fresh && let Some(app) = self.get_managed(key) {
+        if !fresh && let Some(app) = cache::get(&self.managed, key) {
             return Ok(Some(app));
         }
         match self.api(&key.namespace).get_opt(&key.name).await {
@@ -236,53 +289,143 @@ impl Sync {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use futures::StreamExt;
+    use std::collections::HashSet;
+    use std::time::{Duration, Instant};
 
-    /// The caches of the session and of the operator hold no field managers and no
-    /// last-applied copy (most of a cached MyApp's memory), and everything else as the
-    /// apiserver sent it: the managed-by label and content hash that Hello, the reports
-    /// and the deletion decisions read, the uid of the delete precondition, generation,
-    /// spec and status.
+    use futures::stream;
+
+    use super::*;
+    use crate::collect::Breaker;
+    use flotilla_proto::v1 as pb;
+
+    /// Carries out `commands` (then waits for more) with an applier whose apiserver never
+    /// answers, over a cache and a Hello that hold `ns/a`..`ns/d`; returns the notices
+    /// until `until` says enough.
+    async fn notices_of(
+        commands: Vec<HubCommand>,
+        until: impl Fn(&[(Instant, Notice)]) -> bool,
+    ) -> Vec<(Instant, Notice)> {
+        let names = ["a", "b", "c", "d"];
+        let store = crate::store_of(&names);
+        let applier = Applier::new(crate::unreachable_client(), store.clone());
+        let collector = Collector {
+            cluster: "c1".into(),
+            managed: store,
+            breaker: Breaker::new(names.iter().map(|n| Key::new("ns", *n)).collect(), 0.5),
+        };
+        let commands = stream::iter(commands.into_iter().map(Ok::<_, ()>)).chain(stream::pending());
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let work = carry_out(commands, &applier, &collector, 4, &tx);
+        let mut seen = Vec::new();
+        let watch = async {
+            while !until(&seen) {
+                if let Ok(notice) = tokio::time::timeout(Duration::from_millis(50), rx.recv()).await
+                {
+                    seen.push((Instant::now(), notice.unwrap()));
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::select! {
+                _ = work => panic!("the commands never end"),
+                () = watch => {}
+            }
+        })
+        .await
+        .expect("the notices did not come");
+        seen
+    }
+
+    fn sync_complete(desired: &[&str], confirmed: u32) -> HubCommand {
+        HubCommand::SyncComplete {
+            desired: desired.iter().map(|n| Key::new("ns", *n)).collect(),
+            confirmed_collection: confirmed,
+        }
+    }
+
+    /// More than the share: nothing is tried, the hub hears of it.
     #[tokio::test]
-    async fn cached_myapps_keep_what_is_read_and_drop_managed_fields() {
-        let app: MyApp = serde_json::from_value(json!({
-            "apiVersion": "app.example.com/v1", "kind": "MyApp",
-            "metadata": {
-                "name": "a", "namespace": "ns", "uid": "u-1", "resourceVersion": "7", "generation": 2,
-                "labels": {MANAGED_BY_LABEL: MANAGED_BY_VALUE, "team": "x"},
-                "annotations": {HASH_ANNOTATION: "abc", LAST_APPLIED: "{\"spec\":{}}", "note": "kept"},
-                "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "o", "uid": "u-0"}],
-                "managedFields": [{
-                    "manager": "flotilla-agent", "operation": "Apply", "apiVersion": "app.example.com/v1",
-                    "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {"f:replicas": {}, "f:image": {}}}
-                }]
-            },
-            "spec": {"replicas": 3, "image": "nginx:1.27", "config": {"k": "v"}},
-            "status": {"ready": true, "readyReplicas": 3, "observedGeneration": 2}
-        }))
-        .unwrap();
-        let (store, writer) = reflector::store::<MyApp>();
-        let events = futures::stream::iter([
-            Ok(watcher::Event::Init),
-            Ok(watcher::Event::InitApply(app.clone())),
-            Ok(watcher::Event::InitDone),
-        ]);
-        reflect(writer, events).for_each(|_| async {}).await;
-        let cached = store
-            .get(&ObjectRef::new("a").within("ns"))
-            .expect("cached");
-        assert_eq!(cached.metadata.managed_fields, None);
-        assert!(!cached.annotations().contains_key(LAST_APPLIED));
-        assert!(is_managed(&cached));
-        assert_eq!(applied_hash(&cached), "abc");
-        let mut want = app;
-        want.metadata.managed_fields = None;
-        want.annotations_mut().remove(LAST_APPLIED);
+    async fn a_mass_collection_is_held_and_nothing_is_deleted() {
+        let seen = notices_of(vec![sync_complete(&["a"], 0)], |s| !s.is_empty()).await;
         assert_eq!(
-            serde_json::to_value(&*cached).unwrap(),
-            serde_json::to_value(&want).unwrap(),
-            "nothing else changed"
+            seen[0].1,
+            Notice::CollectionBlocked(pb::CollectionBlocked {
+                would_collect: 3,
+                managed: 4
+            })
         );
+    }
+
+    /// An orphan within the share is deleted; the delete fails (the apiserver is gone),
+    /// is reported, and is tried again a second later.
+    #[tokio::test]
+    async fn an_orphan_is_deleted_and_a_failed_delete_retried() {
+        let seen = notices_of(vec![sync_complete(&["a", "b", "c"], 0)], |s| s.len() >= 2).await;
+        for (_, notice) in &seen {
+            assert!(
+                matches!(notice, Notice::Tried { key, error: Some(e) } if key.name == "d" && e.contains("MyApp ns/d")),
+                "{notice:?}"
+            );
+        }
+        assert!(
+            seen[1].0 - seen[0].0 >= Duration::from_secs(1),
+            "retried at once"
+        );
+    }
+
+    /// A Delete that fails after an Apply for the same MyApp came is not retried (it
+    /// would delete what the Apply created); the Apply's own outcome is reported (here a
+    /// refusal, never retried either).
+    #[tokio::test]
+    async fn a_failed_delete_superseded_by_an_apply_is_not_retried() {
+        let key = Key::new("ns", "a");
+        let commands = vec![
+            HubCommand::Delete {
+                key: key.clone(),
+                orphan: false,
+            },
+            HubCommand::Apply {
+                key: key.clone(),
+                manifest: bytes::Bytes::from_static(b"not json"),
+            },
+        ];
+        let started = Instant::now();
+        let seen = notices_of(commands, |_| {
+            started.elapsed() > Duration::from_millis(2500)
+        })
+        .await;
+        let notices: Vec<&Notice> = seen.iter().map(|(_, n)| n).collect();
+        assert_eq!(notices.len(), 2, "{notices:?}");
+        assert_eq!(
+            notices[0],
+            &Notice::Tried {
+                key: key.clone(),
+                error: None
+            },
+            "the failed Delete is dropped"
+        );
+        assert!(
+            matches!(notices[1], Notice::Tried { error: Some(e), .. } if e.contains("not a MyApp")),
+            "{notices:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_broken_stream_ends_the_work_with_its_error() {
+        let store = crate::store_of(&[]);
+        let applier = Applier::new(crate::unreachable_client(), store.clone());
+        let collector = Collector {
+            cluster: "c1".into(),
+            managed: store,
+            breaker: Breaker::new(HashSet::new(), 0.5),
+        };
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let commands = stream::iter([Err("reset")]);
+        assert_eq!(
+            carry_out(commands, &applier, &collector, 4, &tx).await,
+            Err("reset")
+        );
+        let ended = stream::iter(Vec::<Result<HubCommand, ()>>::new());
+        assert_eq!(carry_out(ended, &applier, &collector, 4, &tx).await, Ok(()));
     }
 }

@@ -18,6 +18,10 @@ pub const MANAGED_BY_VALUE: &str = "flotilla";
 pub const SOURCE_ANNOTATION: &str = "flotilla.io/federated-myapp";
 /// Annotation carrying the content hash of a rendered MyApp (computed without it).
 pub const HASH_ANNOTATION: &str = "flotilla.io/content-hash";
+/// Annotation on a MemberCluster: a user's go-ahead for a collection the agent's circuit
+/// breaker held back (the number of MyApps to collect). The hub reads it and passes it
+/// on; the agent names it in its log.
+pub const CONFIRM_COLLECTION_ANNOTATION: &str = "flotilla.io/confirm-collection";
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;

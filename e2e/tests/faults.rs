@@ -15,10 +15,12 @@ use flotilla_crds::{FederatedMyApp, MemberCluster};
 use flotilla_e2e::converge::{self, managed_myapps};
 use flotilla_e2e::deletions::DeletionLog;
 use flotilla_e2e::federation::{self, Federation, HUB, agent_name, wait_member_ready};
-use flotilla_e2e::support::sample;
+use flotilla_e2e::process::ProcessRecord;
+use flotilla_e2e::support::{http_get, sample};
 use flotilla_e2e::{Env, faults, process, wait_for};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
+use nix::sys::signal::Signal;
 use serde_json::json;
 
 const CONVERGE: Duration = Duration::from_secs(60);
@@ -745,6 +747,148 @@ async fn the_standby_hub_takes_over_when_the_leader_is_sigkilled() -> Result<()>
         }
         .await;
         (ctx, r.and(back))
+    })
+    .await
+}
+
+/// The stop of kube-controller-manager and kube-scheduler a member's apiserver outage
+/// causes (they exit when their own lease runs out): captured before, revived after.
+fn member_clients(env: &Env, member: &str) -> Result<Vec<faults::Component>> {
+    ["kube-controller-manager", "kube-scheduler"]
+        .into_iter()
+        .map(|c| faults::capture(env, member, c).map(|(_, c)| c))
+        .collect()
+}
+
+/// An agent whose apiserver stops for 20 s, past its renew deadline (10 s) and its Lease
+/// duration (15 s), stops leading and stops acting (not ready); once the apiserver is
+/// back the same process wins the Lease again and acts again: `/readyz` 200, a new FederatedMyApp's MyApp lands there, the
+/// environment converges and nothing was deleted. (An agent stayed a standby for good,
+/// "waiting for: operator", before.)
+#[tokio::test]
+async fn an_agent_whose_apiserver_was_down_past_its_lease_works_again() -> Result<()> {
+    run("fault-agent-lease", |ctx| async move {
+        let mut env = ctx.env.clone();
+        let member = "cluster1";
+        let name = agent_name(member);
+        let fresh = ctx.name(APPS);
+        let clients = member_clients(&env, member);
+        let r = async {
+            let clients = clients.as_ref().map_err(|e| anyhow::anyhow!("{e:#}"))?;
+            let agent = ctx.f.process(&env, &name)?;
+            let http = ctx.f.launch(&name)?.http.clone();
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            let stopped = faults::stop_component(&env, member, "kube-apiserver")?;
+            let stood_down = wait_for(
+                Duration::from_secs(30),
+                "cluster1's agent to stop acting (/readyz not 200)",
+                || async {
+                    Ok(
+                        matches!(http_get(&http, "/readyz").await, Ok((c, _)) if c != 200)
+                            .then_some(()),
+                    )
+                },
+            )
+            .await;
+            tokio::time::sleep(Duration::from_secs(20).saturating_sub(start.elapsed())).await;
+            faults::start_component(&mut env, &stopped)?;
+            eprintln!(
+                "started again after the outage: {:?}",
+                faults::revive(&mut env, clients)?
+            );
+            let back = federation::wait_http_ready(&name, &http).await;
+            ensure!(
+                agent.alive(),
+                "the agent (PID {}) exited instead of acting again; its log: {:?}",
+                agent.pid,
+                agent.log
+            );
+            stood_down?;
+            back.context("the agent after its apiserver came back")?;
+            println!(
+                "fault agent-lease-lost-and-regained: ready again {:.1}s after the outage began",
+                start.elapsed().as_secs_f64()
+            );
+            // It acts: a new app lands on its cluster.
+            ctx.apply(APPS, 3).await?;
+            let myapps: Api<flotilla_crds::MyApp> =
+                Api::namespaced(ctx.env.client(member).await?, "default");
+            wait_for(CONVERGE, "the new app's MyApp in cluster1", || async {
+                Ok(myapps.get_opt(&fresh).await?.map(drop))
+            })
+            .await?;
+            verdict(&ctx, "agent-lease-lost-and-regained", &log, start).await
+        }
+        .await;
+        let _ = ctx.fedapps().delete(&fresh, &DeleteParams::default()).await;
+        // Those that lost their leader lease may exit late: started again, as a kubelet would.
+        let revived = match &clients {
+            Ok(clients) => faults::revive(&mut env, clients).map(drop),
+            Err(_) => Ok(()),
+        };
+        (ctx, r.and(revived))
+    })
+    .await
+}
+
+/// SIGTERM to `p`; fails if it still runs after 10 s (what the Pod's
+/// terminationGracePeriodSeconds of 15 s leaves, with margin).
+fn sigterm_ends(p: &ProcessRecord, state: &str) -> Result<()> {
+    let at = Instant::now();
+    p.signal(Signal::SIGTERM)?;
+    let gone = p.wait_gone(Duration::from_secs(10));
+    println!(
+        "fault agent-sigterm: {state}: {} after {:.1}s",
+        if gone { "ended" } else { "still running" },
+        at.elapsed().as_secs_f64()
+    );
+    ensure!(
+        gone,
+        "{} ({state}) still ran 10s after SIGTERM; its log: {:?}",
+        p.name,
+        p.log
+    );
+    Ok(())
+}
+
+/// SIGTERM ends an agent within 10 s whatever it is doing: leading and in session; a
+/// standby without the Lease; its apiserver down (for 1 s: still leading, its renewals
+/// failing; for 12 s: past the renew deadline of 10 s, no longer leading, its Lease
+/// never released). Nothing is deleted, and everything converges after.
+#[tokio::test]
+async fn sigterm_ends_an_agent_within_10s_in_every_state() -> Result<()> {
+    run("fault-agent-sigterm", |ctx| async move {
+        let mut env = ctx.env.clone();
+        let member = "cluster1";
+        let name = agent_name(member);
+        let r = async {
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            wait_member_ready(&ctx.host, member, true, Duration::from_secs(30)).await?;
+            sigterm_ends(&ctx.f.process(&env, &name)?, "leading, in session")?;
+            faults::start(&env, &ctx.f, &name).await?;
+
+            let (twin, _) = faults::start_twin(&env, &ctx.f, member).await?;
+            let standby = sigterm_ends(&twin, "standby without the Lease");
+            process::forget(&env.dir, &twin.name)?;
+            standby?;
+
+            for down in [Duration::from_secs(1), Duration::from_secs(12)] {
+                let clients = member_clients(&env, member)?;
+                let stopped = faults::stop_component(&env, member, "kube-apiserver")?;
+                tokio::time::sleep(down).await;
+                let state = format!("its apiserver down for {}s", down.as_secs());
+                let ended = sigterm_ends(&ctx.f.process(&env, &name)?, &state);
+                faults::start_component(&mut env, &stopped)?;
+                faults::revive(&mut env, &clients)?;
+                ended?;
+                faults::start(&env, &ctx.f, &name).await?;
+            }
+            verdict(&ctx, "agent-sigterm-in-every-state", &log, start).await
+        }
+        .await;
+        (ctx, r)
     })
     .await
 }

@@ -166,8 +166,7 @@ pub fn collection_blocked_message(cluster: &str, would_collect: u32, managed: u3
     )
 }
 
-/// A user's go-ahead for a collection the agent's circuit breaker held back.
-pub const CONFIRM_COLLECTION_ANNOTATION: &str = "flotilla.io/confirm-collection";
+pub use flotilla_crds::CONFIRM_COLLECTION_ANNOTATION;
 
 #[derive(Debug, Clone, Default)]
 struct Member {

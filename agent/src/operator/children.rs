@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use flotilla_crds::MyApp;
+use flotilla_crds::{MANAGED_BY_LABEL, MyApp};
 use k8s_openapi::api::apps::v1::{
     Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
 };
@@ -18,9 +18,10 @@ use sha2::{Digest, Sha256};
 
 /// Pod template annotation carrying the config digest: a new digest rolls the pods.
 pub const CHECKSUM_ANNOTATION: &str = "checksum/config";
-/// Label on every object the operator creates; the owned-object watches select on it.
-pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
-pub const MANAGED_BY: &str = "flotilla-operator";
+/// The value of the managed-by label ([`MANAGED_BY_LABEL`]) on every object the operator
+/// creates; the owned-object watches select on it. Not Flotilla's value on MyApps
+/// (`flotilla_crds::MANAGED_BY_VALUE`): the agent's MyApp watches never see children.
+pub const CHILD_MANAGED_BY: &str = "flotilla-operator";
 const NAME_LABEL: &str = "app.kubernetes.io/name";
 const INSTANCE_LABEL: &str = "app.kubernetes.io/instance";
 /// Where the config files are mounted in the container.
@@ -64,7 +65,7 @@ pub fn selector_labels(app: &str) -> BTreeMap<String, String> {
 
 fn labels(app: &str) -> BTreeMap<String, String> {
     let mut labels = selector_labels(app);
-    labels.insert(MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string());
+    labels.insert(MANAGED_BY_LABEL.to_string(), CHILD_MANAGED_BY.to_string());
     labels
 }
 
@@ -273,7 +274,7 @@ mod tests {
             assert_eq!(owner.name, "web");
             assert_eq!(owner.uid, "0b5e-uid");
             assert_eq!(owner.controller, Some(true));
-            assert_eq!(meta.labels.unwrap()[MANAGED_BY_LABEL], MANAGED_BY);
+            assert_eq!(meta.labels.unwrap()[MANAGED_BY_LABEL], CHILD_MANAGED_BY);
         }
     }
 

@@ -33,10 +33,12 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use children::{BuildError, MANAGED_BY, MANAGED_BY_LABEL};
+use crate::cache::{key, key_of};
+use children::{BuildError, CHILD_MANAGED_BY};
 use flotilla_common::http::Gate;
 use flotilla_common::listed;
 use flotilla_common::metrics::{Metrics, WorkQueue};
+use flotilla_crds::MANAGED_BY_LABEL;
 use status::Problem;
 
 /// The `controller` label of the metrics and the reporting controller of Events.
@@ -118,7 +120,7 @@ struct Context {
 }
 
 /// Runs the MyApp controller until `shutdown` fires, opening `ready` once every watched
-/// namespace has been listed. Meant to run beside the hub session in `flotilla-agent
+/// namespace has been listed and closing it when it stops. Meant to run beside the hub session in `flotilla-agent
 /// run`, and alone in `flotilla-agent operator`.
 pub async fn run_operator(
     client: Client,
@@ -148,7 +150,7 @@ pub async fn run_operator(
     for scope in scopes {
         let (reader, writer) = reflector::store::<MyApp>();
         let (apps, listed) = listed::track(
-            crate::sync::reflect(
+            crate::cache::reflect(
                 writer,
                 watcher(
                     api::<MyApp>(&client, scope.as_deref()),
@@ -164,9 +166,10 @@ pub async fn run_operator(
             .predicate_filter(predicates::generation, Default::default())
             .inspect_ok({
                 let queue = queue.clone();
-                move |app| queue.triggered(app_key(app.namespace(), &app.name_any()))
+                move |app| queue.triggered(key_of(app).to_string())
             });
-        let owned = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"));
+        let owned =
+            watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={CHILD_MANAGED_BY}"));
         let run = Controller::for_stream(apps, reader)
             .owns_stream(child_changes::<Deployment>(
                 &client,
@@ -192,7 +195,7 @@ pub async fn run_operator(
                     Err(controller::Error::ReconcilerFailed(..)) => {}
                     // Due, but deleted meanwhile: no reconcile starts to take it off the queue.
                     Err(controller::Error::ObjectNotFound(app)) => {
-                        queue.dequeued(&app_key(app.namespace.clone(), &app.name))
+                        queue.dequeued(&key(app.namespace.clone(), &app.name).to_string())
                     }
                     Err(e) => debug!(error = %e, "controller"),
                 }
@@ -202,6 +205,7 @@ pub async fn run_operator(
         controllers.push(async move { listed.run_controller(run, &stop).await });
     }
     info!(namespaces = ?config.namespaces, resync = ?config.resync, "MyApp operator starting");
+    let gate = ready.clone();
     let synced = async move {
         for listed in listings {
             // Only fails if the watch ended, i.e. at shutdown.
@@ -213,6 +217,9 @@ pub async fn run_operator(
         info!("MyApp operator synced");
     };
     tokio::join!(join_all(controllers), synced);
+    // Not ready while stopped: an agent that lost its Lease is a standby until it acts
+    // again (and a new operator opens the gate once it has listed).
+    gate.close();
     info!("MyApp operator stopped");
 }
 
@@ -236,11 +243,6 @@ enum Settled {
     Rejected,
     /// Deleted meanwhile.
     Gone,
-}
-
-/// The work queue's key of a MyApp.
-fn app_key(namespace: Option<String>, name: &str) -> String {
-    format!("{}/{name}", namespace.unwrap_or_default())
 }
 
 /// Changes to the operator's children of kind `K` (metadata only, as `owns` watches
@@ -274,13 +276,13 @@ where
             .iter()
             .find(|o| o.controller == Some(true) && o.kind == "MyApp");
         if let Some(owner) = owner {
-            queue.triggered(app_key(child.namespace(), &owner.name));
+            queue.triggered(key(child.namespace(), &owner.name).to_string());
         }
     })
 }
 
 async fn reconcile(app: Arc<MyApp>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let key = app_key(app.namespace(), &app.name_any());
+    let key = key_of(&*app).to_string();
     let mut timer = ctx.metrics.reconcile(CONTROLLER, &key);
     let result = reconcile_app(&app, &ctx).await;
     match &result {
@@ -309,7 +311,7 @@ async fn reconcile(app: Arc<MyApp>, ctx: Arc<Context>) -> Result<Action, Error> 
 
 fn error_policy(app: Arc<MyApp>, error: &Error, ctx: Arc<Context>) -> Action {
     warn!(namespace = app.namespace(), name = app.name_any(), error = %error, "reconcile failed; retrying");
-    let key = app_key(app.namespace(), &app.name_any());
+    let key = key_of(&*app).to_string();
     ctx.metrics.queue(CONTROLLER).requeued(key, RETRY);
     Action::requeue(RETRY)
 }
@@ -411,7 +413,7 @@ async fn reconcile_app(app: &MyApp, ctx: &Context) -> Result<Settled, Error> {
 
 /// What a server-side apply did to the object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Change {
+enum Written {
     Created,
     Updated,
     Unchanged,
@@ -419,7 +421,7 @@ enum Change {
 
 /// Server-side applies `object`, telling whether it was created or its spec changed:
 /// the generation where the type has one, else the resource version.
-async fn apply<K>(api: &Api<K>, object: &K) -> Result<(K, Change), kube::Error>
+async fn apply<K>(api: &Api<K>, object: &K) -> Result<(K, Written), kube::Error>
 where
     K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
 {
@@ -434,9 +436,9 @@ where
     let params = PatchParams::apply(FIELD_MANAGER).force();
     let after = api.patch(&name, &params, &Patch::Apply(object)).await?;
     let change = match before {
-        None => Change::Created,
-        Some(b) if version(&b) != version(&after) => Change::Updated,
-        Some(_) => Change::Unchanged,
+        None => Written::Created,
+        Some(b) if version(&b) != version(&after) => Written::Updated,
+        Some(_) => Written::Unchanged,
     };
     Ok((after, change))
 }
@@ -458,12 +460,12 @@ fn name<K: Resource>(object: &K) -> String {
 }
 
 impl Context {
-    async fn announce<K: Resource>(&self, app: &MyApp, kind: &str, object: &K, change: Change) {
+    async fn announce<K: Resource>(&self, app: &MyApp, kind: &str, object: &K, change: Written) {
         let name = name(object);
         let (reason, note) = match change {
-            Change::Created => (format!("{kind}Created"), format!("created {kind} {name}")),
-            Change::Updated => (format!("{kind}Updated"), format!("updated {kind} {name}")),
-            Change::Unchanged => return,
+            Written::Created => (format!("{kind}Created"), format!("created {kind} {name}")),
+            Written::Updated => (format!("{kind}Updated"), format!("updated {kind} {name}")),
+            Written::Unchanged => return,
         };
         info!(namespace = app.namespace(), app = app.name_any(), "{note}");
         self.event(app, EventType::Normal, &reason, "Apply", note)
@@ -492,16 +494,21 @@ mod tests {
     use super::*;
 
     /// An agent that loses its Lease while its apiserver has not answered yet (nothing
-    /// listed) must stop acting: it hung for good here before, and ignored SIGTERM.
+    /// listed) must stop acting: it hung for good here before, and ignored SIGTERM. A
+    /// stopped operator is not ready (the gate an earlier operator opened closes), so
+    /// that an agent that lost its Lease reads as a standby.
     #[tokio::test]
     async fn stops_when_its_apiserver_never_answered() {
         let client = crate::unreachable_client();
         let stop = CancellationToken::new();
+        let readiness = Readiness::default();
+        let gate = readiness.gate("operator");
+        gate.open();
         let run = tokio::spawn(run_operator(
             client,
             OperatorConfig::default(),
             Arc::new(Metrics::default()),
-            Readiness::default().gate("operator"),
+            gate,
             stop.clone(),
         ));
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -510,5 +517,6 @@ mod tests {
             .await
             .expect("the operator did not stop")
             .unwrap();
+        assert_eq!(readiness.waiting(), ["operator"]);
     }
 }

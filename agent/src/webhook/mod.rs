@@ -8,18 +8,21 @@ pub mod tls;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use axum::routing::post;
 use axum::{Json, Router};
+use backon::{ExponentialBuilder, Retryable};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceConversion;
 use kube::Client;
 use kube::core::conversion::ConversionReview;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crd::Endpoint;
 use flotilla_common::http::Gate;
@@ -49,6 +52,29 @@ pub enum WebhookError {
     Publish(#[source] kube::Error),
 }
 
+/// Points the MyApp CRD at this webhook, retrying while the apiserver does not take it
+/// (it may be starting, as after an outage, with this agent): an agent that exited then
+/// would wait for its Pod's restart backoff. Refusals of the agent's credential or
+/// permissions (401, 403) are not retried: they need a person.
+async fn publish(
+    client: Client,
+    conversion: &CustomResourceConversion,
+) -> Result<(), WebhookError> {
+    let backoff = ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(200))
+        .with_max_delay(Duration::from_secs(10))
+        .with_jitter()
+        .without_max_times();
+    (|| crd::publish(client.clone(), conversion))
+        .retry(backoff)
+        .when(|e| !matches!(e, kube::Error::Api(s) if matches!(s.code, 401 | 403)))
+        .notify(
+            |e, delay| warn!(error = %e, ?delay, "pointing the MyApp CRD at the webhook; retrying"),
+        )
+        .await
+        .map_err(WebhookError::Publish)
+}
+
 pub fn router() -> Router {
     Router::new().route(
         crd::PATH,
@@ -57,7 +83,7 @@ pub fn router() -> Router {
 }
 
 /// Serves the webhook until `shutdown` fires; opens `ready` once it listens and the CRD
-/// points at it.
+/// points at it (see [`publish`]).
 pub async fn run_webhook(
     client: Client,
     config: WebhookConfig,
@@ -82,9 +108,10 @@ pub async fn run_webhook(
     info!(addr = %config.addr, "serving the conversion webhook at {}", crd::PATH);
     if let Some(endpoint) = &config.endpoint {
         let conversion = crd::conversion(endpoint, identity.ca_pem.as_deref());
-        crd::publish(client, &conversion)
-            .await
-            .map_err(WebhookError::Publish)?;
+        tokio::select! {
+            published = publish(client, &conversion) => published?,
+            () = shutdown.cancelled() => return Ok(()),
+        }
         info!(?endpoint, "MyApp CRD now converts through this webhook");
     }
     ready.open();
@@ -114,5 +141,40 @@ pub async fn run_webhook(
                 debug!(%peer, error = %e, "webhook connection ended");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_common::http::Readiness;
+
+    /// Started while its apiserver is down (restarted with it after an outage): the
+    /// webhook waits for the apiserver, not ready, instead of ending the process; and
+    /// it stops at shutdown meanwhile.
+    #[tokio::test]
+    async fn waits_for_an_apiserver_that_does_not_answer_yet() {
+        let readiness = Readiness::default();
+        let shutdown = CancellationToken::new();
+        let config = WebhookConfig {
+            addr: "127.0.0.1:0".parse().unwrap(),
+            cert_files: None,
+            endpoint: Some(Endpoint::Url("https://127.0.0.1:9443/convert".into())),
+        };
+        let run = tokio::spawn(run_webhook(
+            crate::unreachable_client(),
+            config,
+            readiness.gate("webhook"),
+            shutdown.clone(),
+        ));
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert!(!run.is_finished(), "the webhook gave up: {:?}", run.await);
+        assert_eq!(readiness.waiting(), ["webhook"]);
+        shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .expect("the webhook did not stop at shutdown")
+            .unwrap()
+            .unwrap();
     }
 }

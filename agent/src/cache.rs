@@ -1,0 +1,164 @@
+//! Cache: the agent's reflectors of MyApps, and what a cached MyApp tells.
+//!
+//! MyApps are cached trimmed ([`trim`]): the session's cache of managed MyApps (with a
+//! feed of the keys that changed, for the reports) and the operator's cache of all
+//! MyApps. A cache never decides a deletion on its own: Hello lists the apiserver, and a
+//! delete reads it again on a miss (see `sync`).
+
+use flotilla_common::listed::{self, Listed};
+use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
+pub use flotilla_proto::AppKey as Key;
+use futures::{Stream, StreamExt};
+use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, ResourceExt};
+use tokio::sync::broadcast;
+use tracing::warn;
+
+/// Whether Flotilla manages this MyApp (it carries the managed-by label): nothing else is
+/// ever touched.
+pub fn is_managed(app: &MyApp) -> bool {
+    app.labels()
+        .get(MANAGED_BY_LABEL)
+        .is_some_and(|v| v == MANAGED_BY_VALUE)
+}
+
+/// The key of the MyApp `name` in `namespace`: the one place that says what a MyApp
+/// without a namespace (none exists) is keyed by.
+pub fn key(namespace: Option<String>, name: &str) -> Key {
+    Key::new(namespace.unwrap_or_default(), name)
+}
+
+pub fn key_of(app: &impl ResourceExt) -> Key {
+    key(app.namespace(), &app.name_any())
+}
+
+/// The MyApp at `key` in `store`.
+pub fn get(store: &Store<MyApp>, key: &Key) -> Option<std::sync::Arc<MyApp>> {
+    store.get(&ObjectRef::new(&key.name).within(&key.namespace))
+}
+
+/// The applied content hash of a managed MyApp.
+pub fn applied_hash(app: &MyApp) -> String {
+    app.annotations()
+        .get(HASH_ANNOTATION)
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// kubectl's copy of the object it last applied (client-side apply).
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// Trims a MyApp to what the agent reads of a cached one: the field managers' sets
+/// (`metadata.managedFields`, each a JSON tree as large as the fields it names) and
+/// kubectl's last-applied copy go; nothing reads them from a cache. Everything a
+/// decision reads stays: name, namespace, uid, resource version, generation, deletion
+/// timestamp, owner references, the labels (the managed-by label), the other
+/// annotations (the content hash), spec and status.
+pub fn trim(app: &mut MyApp) {
+    app.metadata.managed_fields = None;
+    if let Some(annotations) = app.metadata.annotations.as_mut() {
+        annotations.remove(LAST_APPLIED);
+    }
+}
+
+/// A reflector of MyApps that caches them trimmed ([`trim`]): the managed MyApps of the
+/// session, and all MyApps of the operator.
+pub fn reflect<S>(writer: Writer<MyApp>, events: S) -> impl Stream<Item = S::Item>
+where
+    S: Stream<Item = Result<watcher::Event<MyApp>, watcher::Error>>,
+{
+    reflector::reflector(writer, events.modify(trim))
+}
+
+/// The MyApps this agent manages, cached, with a feed of the keys that changed.
+#[derive(Clone)]
+pub struct Managed {
+    pub store: Store<MyApp>,
+    pub listed: Listed,
+    pub changes: broadcast::Sender<Key>,
+}
+
+/// Watches managed MyApps in every namespace; the future runs the watch.
+pub fn watch_managed(client: Client) -> (Managed, impl std::future::Future<Output = ()>) {
+    let (store, writer) = reflector::store::<MyApp>();
+    let (changes, _) = broadcast::channel(1024);
+    let config =
+        watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
+    let (stream, listed) = listed::track(
+        reflect(writer, watcher(Api::<MyApp>::all(client), config)).default_backoff(),
+    );
+    let stream = stream.touched_objects();
+    let feed = changes.clone();
+    let run = async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(event) = stream.next().await {
+            match event {
+                Ok(app) => {
+                    let _ = feed.send(key_of(&app));
+                }
+                Err(e) => warn!(error = %e, "watching managed MyApps"),
+            }
+        }
+    };
+    (
+        Managed {
+            store,
+            listed,
+            changes,
+        },
+        run,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// The caches of the session and of the operator hold no field managers and no
+    /// last-applied copy (most of a cached MyApp's memory), and everything else as the
+    /// apiserver sent it: the managed-by label and content hash that Hello, the reports
+    /// and the deletion decisions read, the uid of the delete precondition, generation,
+    /// spec and status.
+    #[tokio::test]
+    async fn cached_myapps_keep_what_is_read_and_drop_managed_fields() {
+        let app: MyApp = serde_json::from_value(json!({
+            "apiVersion": "app.example.com/v1", "kind": "MyApp",
+            "metadata": {
+                "name": "a", "namespace": "ns", "uid": "u-1", "resourceVersion": "7", "generation": 2,
+                "labels": {MANAGED_BY_LABEL: MANAGED_BY_VALUE, "team": "x"},
+                "annotations": {HASH_ANNOTATION: "abc", LAST_APPLIED: "{\"spec\":{}}", "note": "kept"},
+                "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "o", "uid": "u-0"}],
+                "managedFields": [{
+                    "manager": "flotilla-agent", "operation": "Apply", "apiVersion": "app.example.com/v1",
+                    "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {"f:replicas": {}, "f:image": {}}}
+                }]
+            },
+            "spec": {"replicas": 3, "image": "nginx:1.27", "config": {"k": "v"}},
+            "status": {"ready": true, "readyReplicas": 3, "observedGeneration": 2}
+        }))
+        .unwrap();
+        let (store, writer) = reflector::store::<MyApp>();
+        let events = futures::stream::iter([
+            Ok(watcher::Event::Init),
+            Ok(watcher::Event::InitApply(app.clone())),
+            Ok(watcher::Event::InitDone),
+        ]);
+        reflect(writer, events).for_each(|_| async {}).await;
+        let cached = get(&store, &Key::new("ns", "a")).expect("cached");
+        assert_eq!(cached.metadata.managed_fields, None);
+        assert!(!cached.annotations().contains_key(LAST_APPLIED));
+        assert!(is_managed(&cached));
+        assert_eq!(applied_hash(&cached), "abc");
+        assert_eq!(key_of(&*cached), Key::new("ns", "a"));
+        let mut want = app;
+        want.metadata.managed_fields = None;
+        want.annotations_mut().remove(LAST_APPLIED);
+        assert_eq!(
+            serde_json::to_value(&*cached).unwrap(),
+            serde_json::to_value(&want).unwrap(),
+            "nothing else changed"
+        );
+    }
+}
