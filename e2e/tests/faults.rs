@@ -853,7 +853,7 @@ struct Held {
 
 /// A validating admission webhook served by this test over TLS on loopback: it holds every
 /// UPDATE of the FederatedMyApp it was started for (labelled `HOLD_LABEL`) for `hold`,
-/// then allows it.
+/// and of its status for twice that, then allows it.
 struct HeldUpdates {
     seen: tokio::sync::watch::Receiver<Held>,
     stop: tokio_util::sync::CancellationToken,
@@ -881,9 +881,14 @@ impl HeldUpdates {
                 let (tx, app_name) = (tx.clone(), app_name.clone());
                 async move {
                     let request = &review["request"];
+                    let ours = request["operation"] == "UPDATE" && request["name"] == app_name;
                     if request["dryRun"] == true {
                         tx.send_modify(|s| s.probes += 1);
-                    } else if request["operation"] == "UPDATE" && request["name"] == app_name {
+                    } else if ours && request["subResource"] == "status" {
+                        // Status lands after the finalizer, so that the finalizer PATCH's
+                        // resourceVersion still holds when it is let through.
+                        tokio::time::sleep(hold * 2).await;
+                    } else if ours {
                         tx.send_modify(|s| s.held += 1);
                         tokio::time::sleep(hold).await;
                         tx.send_modify(|s| s.released += 1);
@@ -915,7 +920,8 @@ impl HeldUpdates {
                 "name": "hold-updates.flotilla-e2e.io",
                 "clientConfig": {"url": format!("https://{addr}/hold")},
                 "rules": [{"apiGroups": ["core.kubefed.io"], "apiVersions": ["v1beta1"],
-                           "resources": ["federatedmyapps"], "operations": ["CREATE", "UPDATE"]}],
+                           "resources": ["federatedmyapps", "federatedmyapps/status"],
+                           "operations": ["CREATE", "UPDATE"]}],
                 "objectSelector": {"matchLabels": {HOLD_LABEL: app}},
                 "sideEffects": "None",
                 "admissionReviewVersions": ["v1"],
