@@ -892,3 +892,235 @@ async fn sigterm_ends_an_agent_within_10s_in_every_state() -> Result<()> {
     })
     .await
 }
+
+/// Issue 19, item 4 (the stale member snapshot): a new FederatedMyApp whose finalizer
+/// PATCH the host is slow to answer (an admission webhook holds it, as a busy apiserver
+/// would) while a cluster joins its placement. A planner that read the registered
+/// clusters before that PATCH and planned with them after it sent the joining cluster a
+/// Delete after the Apply of a newer plan, and left the app off it for good.
+#[tokio::test]
+async fn a_cluster_that_joins_while_a_new_app_is_finalized_keeps_it() -> Result<()> {
+    run("fault-join-race", |ctx| async move {
+        let name = ctx.name(APPS);
+        let joiner = "cluster3";
+        let members: Api<MemberCluster> = Api::all(ctx.host.clone());
+        let r = async {
+            ensure!(
+                ctx.env.members().contains(&joiner),
+                "this test needs {joiner}: up --members 3"
+            );
+            let hold = HeldUpdates::start(&ctx.host, &name, HOLD).await?;
+            set_race_label(&members, "cluster1", Some(&name)).await?;
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            let deletes = hub_deletes(&ctx.f.metrics(HUB).await?, joiner);
+            let app = json!({
+                "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+                "metadata": {"name": name, "namespace": "default", "labels": {HOLD_LABEL: name}},
+                "spec": {"placement": {"clusterSelector": {"matchLabels": {RACE_LABEL: name}}},
+                         "template": {"spec": {"replicas": 1, "image": "nginx:1.27"}}},
+            });
+            ctx.fedapps()
+                .create(&PostParams::default(), &serde_json::from_value(app)?)
+                .await?;
+            // The hub's finalizer PATCH is held: the cluster joins meanwhile.
+            hold.wait(
+                |s| s.held >= 1,
+                "the hub's finalizer PATCH to reach the webhook",
+            )
+            .await?;
+            set_race_label(&members, joiner, Some(&name)).await?;
+            hold.wait(|s| s.released >= 1, "the held PATCH answered")
+                .await?;
+            let myapps: Api<flotilla_crds::MyApp> =
+                Api::namespaced(ctx.env.client(joiner).await?, "default");
+            wait_for(CONVERGE, &format!("{name} on {joiner}"), || async {
+                Ok(myapps.get_opt(&name).await?)
+            })
+            .await?;
+            // Still there once the hub has acted on everything the race left it.
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            ensure!(
+                myapps.get_opt(&name).await?.is_some(),
+                "{name} left {joiner} after the held PATCH was answered"
+            );
+            let sent = hub_deletes(&ctx.f.metrics(HUB).await?, joiner) - deletes;
+            ensure!(sent == 0.0, "the hub sent {joiner} {sent} Delete(s)");
+            verdict(&ctx, "cluster-joins-during-finalizer-patch", &log, start).await
+        }
+        .await;
+        let _ = HeldUpdates::remove(&ctx.host).await;
+        for cluster in ["cluster1", joiner] {
+            let _ = set_race_label(&members, cluster, None).await;
+        }
+        let _ = ctx.fedapps().delete(&name, &DeleteParams::default()).await;
+        (ctx, r)
+    })
+    .await
+}
+
+/// How long the webhook holds each UPDATE of the race's app.
+const HOLD: Duration = Duration::from_secs(3);
+/// The FederatedMyApps whose UPDATEs the webhook holds (value: the app's name).
+const HOLD_LABEL: &str = "flotilla-e2e/hold-updates";
+/// The MemberCluster label the race's app selects (value: the app's name).
+const RACE_LABEL: &str = "flotilla-e2e/join-race";
+const WEBHOOK: &str = "flotilla-e2e-hold-updates";
+
+fn hub_deletes(metrics: &str, cluster: &str) -> f64 {
+    sample(
+        metrics,
+        &format!("flotilla_hub_messages_sent_total{{cluster=\"{cluster}\",kind=\"delete\"}}"),
+    )
+}
+
+async fn set_race_label(
+    members: &Api<MemberCluster>,
+    cluster: &str,
+    value: Option<&str>,
+) -> Result<()> {
+    let patch = json!({"metadata": {"labels": {RACE_LABEL: value}}});
+    members
+        .patch(cluster, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .with_context(|| format!("labelling MemberCluster {cluster}"))?;
+    Ok(())
+}
+
+/// What the webhook has seen: dry-run probes, held UPDATEs, and those it answered.
+#[derive(Debug, Clone, Copy, Default)]
+struct Held {
+    probes: usize,
+    held: usize,
+    released: usize,
+}
+
+/// A validating admission webhook served by this test over TLS on loopback: it holds every
+/// UPDATE of the FederatedMyApp it was started for (labelled `HOLD_LABEL`) for `hold`,
+/// and of its status for twice that, then allows it.
+struct HeldUpdates {
+    seen: tokio::sync::watch::Receiver<Held>,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl HeldUpdates {
+    async fn start(host: &Client, app: &str, hold: Duration) -> Result<HeldUpdates> {
+        use axum::routing::post;
+        use k8s_openapi::ByteString;
+        use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+
+        let tls = flotilla_common::tls::self_signed(
+            "flotilla-e2e-webhook-ca",
+            "flotilla-e2e-webhook",
+            &["127.0.0.1".into()],
+        )?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (tx, seen) = tokio::sync::watch::channel(Held::default());
+        let tx = std::sync::Arc::new(tx);
+        let app_name = app.to_owned();
+        let router = axum::Router::new().route(
+            "/hold",
+            post(move |axum::Json(review): axum::Json<serde_json::Value>| {
+                let (tx, app_name) = (tx.clone(), app_name.clone());
+                async move {
+                    let request = &review["request"];
+                    let ours = request["operation"] == "UPDATE" && request["name"] == app_name;
+                    if request["dryRun"] == true {
+                        tx.send_modify(|s| s.probes += 1);
+                    } else if ours && request["subResource"] == "status" {
+                        // Status lands after the finalizer, so that the finalizer PATCH's
+                        // resourceVersion still holds when it is let through.
+                        tokio::time::sleep(hold * 2).await;
+                    } else if ours {
+                        tx.send_modify(|s| s.held += 1);
+                        tokio::time::sleep(hold).await;
+                        tx.send_modify(|s| s.released += 1);
+                    }
+                    axum::Json(json!({
+                        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                        "response": {"uid": request["uid"], "allowed": true},
+                    }))
+                }
+            }),
+        );
+        let stop = tokio_util::sync::CancellationToken::new();
+        let server = tonic::transport::Server::builder()
+            .tls_config(tonic::transport::ServerTlsConfig::new().identity(
+                tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem),
+            ))?
+            .accept_http1(true)
+            .add_routes(tonic::service::Routes::from(router))
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                stop.clone().cancelled_owned(),
+            );
+        tokio::spawn(server);
+        let held = HeldUpdates { seen, stop };
+        let config = json!({
+            "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": WEBHOOK},
+            "webhooks": [{
+                "name": "hold-updates.flotilla-e2e.io",
+                "clientConfig": {"url": format!("https://{addr}/hold")},
+                "rules": [{"apiGroups": ["core.kubefed.io"], "apiVersions": ["v1beta1"],
+                           "resources": ["federatedmyapps", "federatedmyapps/status"],
+                           "operations": ["CREATE", "UPDATE"]}],
+                "objectSelector": {"matchLabels": {HOLD_LABEL: app}},
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+                "timeoutSeconds": 10,
+                "failurePolicy": "Ignore",
+            }],
+        });
+        let mut config: ValidatingWebhookConfiguration = serde_json::from_value(config)?;
+        for webhook in config.webhooks.iter_mut().flatten() {
+            webhook.client_config.ca_bundle = Some(ByteString(tls.ca_pem.clone().into_bytes()));
+        }
+        let api: Api<ValidatingWebhookConfiguration> = Api::all(host.clone());
+        let _ = api.delete(WEBHOOK, &DeleteParams::default()).await;
+        api.create(&PostParams::default(), &config)
+            .await
+            .context("registering the webhook")?;
+        // The apiserver picks the configuration up a moment later: dry-run creates show
+        // when it calls the webhook.
+        let fedapps: Api<FederatedMyApp> = Api::namespaced(host.clone(), "default");
+        let probe: FederatedMyApp = serde_json::from_value(json!({
+            "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+            "metadata": {"name": format!("{app}-probe"), "namespace": "default",
+                         "labels": {HOLD_LABEL: app}},
+            "spec": {},
+        }))?;
+        let dry_run = PostParams {
+            dry_run: true,
+            ..Default::default()
+        };
+        wait_for(CONVERGE, "the webhook called by the host", || async {
+            fedapps.create(&dry_run, &probe).await?;
+            Ok((held.seen.borrow().probes > 0).then_some(()))
+        })
+        .await?;
+        Ok(held)
+    }
+
+    async fn wait(&self, until: impl Fn(&Held) -> bool, what: &str) -> Result<()> {
+        let mut seen = self.seen.clone();
+        tokio::time::timeout(CONVERGE, seen.wait_for(until))
+            .await
+            .with_context(|| format!("waiting for {what}"))??;
+        Ok(())
+    }
+
+    async fn remove(host: &Client) -> Result<()> {
+        use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
+        let api: Api<ValidatingWebhookConfiguration> = Api::all(host.clone());
+        api.delete(WEBHOOK, &DeleteParams::default()).await?;
+        Ok(())
+    }
+}
+
+impl Drop for HeldUpdates {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}

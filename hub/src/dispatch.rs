@@ -228,11 +228,22 @@ impl Default for Dispatcher {
 }
 
 impl Dispatcher {
-    pub fn set_app(&self, key: &AppKey, generation: Option<i64>, plan: BTreeMap<String, Desired>) {
+    /// Makes `plan` the app's desired state; false while the deletion of an earlier
+    /// object of the same name holds it back ([`Index::set_app`]).
+    pub fn set_app(
+        &self,
+        key: &AppKey,
+        generation: Option<i64>,
+        plan: BTreeMap<String, Desired>,
+    ) -> bool {
         let mut state = self.state.lock();
+        if state.index.is_deleting(key) {
+            return false;
+        }
         let pushes = state.index.set_app(key, generation, plan);
         self.metrics.pairs.set(state.index.applied_pairs() as i64);
         route(&state, pushes);
+        true
     }
 
     /// Pushes the deletion and returns the clusters still holding the app.
@@ -244,14 +255,14 @@ impl Dispatcher {
         state.index.deletion_waiting_on(key)
     }
 
-    pub fn forget(&self, key: &AppKey) {
-        self.state.lock().index.forget(key);
-    }
-
-    /// The app vanished from the host without our finalizer; see [`Index::drop_app`].
-    pub fn drop_app(&self, key: &AppKey, orphan: bool) {
+    /// The app's object left the host; `replaced`: another of the same name is listed
+    /// ([`Index::drop_app`], [`Index::replace_app`]).
+    pub fn drop_app(&self, key: &AppKey, orphan: bool, replaced: bool) {
         let mut state = self.state.lock();
-        let pushes = state.index.drop_app(key, orphan);
+        let pushes = match replaced {
+            true => state.index.replace_app(key, orphan),
+            false => state.index.drop_app(key, orphan),
+        };
         self.metrics.pairs.set(state.index.applied_pairs() as i64);
         route(&state, pushes);
     }

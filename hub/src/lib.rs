@@ -18,6 +18,7 @@ pub mod convert;
 pub mod dispatch;
 pub(crate) mod install;
 pub mod membership;
+pub mod planner;
 pub mod run;
 pub mod server;
 pub mod status;

@@ -16,7 +16,8 @@ use flotilla_common::coalesce::Pending;
 use flotilla_crds::MemberCluster;
 use flotilla_crds::condition;
 use flotilla_crds::member::{ClusterCapacity, MemberClusterStatus};
-use flotilla_plan::placement::{self, Members, registered_of};
+use flotilla_plan::placement::{Members, registered_of};
+use flotilla_plan::planner::{capacity, shape};
 use futures::{Stream, StreamExt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -44,23 +45,6 @@ pub fn registered(members: &Store<MemberCluster>) -> Members {
 pub struct MemberChanges {
     pub clusters: u64,
     pub capacity: u64,
-}
-
-/// What placement and scheduling read of each cluster besides its capacity. Readiness
-/// counts as ready or not: how long a cluster has been NotReady moves with the clock,
-/// and each plan asks to be looked at again when a grace period ends.
-fn shape(members: &Members) -> Vec<(String, placement::Labels, bool, bool)> {
-    members
-        .iter()
-        .map(|(name, m)| {
-            let not_ready = m.not_ready_for.is_some();
-            (name.clone(), m.labels.clone(), m.unschedulable, not_ready)
-        })
-        .collect()
-}
-
-fn capacity(members: &Members) -> Vec<Option<ClusterCapacity>> {
-    members.values().map(|m| m.capacity.clone()).collect()
 }
 
 /// Why an agent in the physical cluster `uid` may not speak for `member`: the

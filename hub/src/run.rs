@@ -1,6 +1,6 @@
-//! `flotilla-hub run`: wires the stores, the controller, the gRPC server, the status and
-//! membership writers and the HTTP endpoints into one supervised process: when any of
-//! them stops, the process stops, non-zero, naming it.
+//! `flotilla-hub run`: wires the stores, the planner, the controller, the gRPC server,
+//! the status and membership writers and the HTTP endpoints into one supervised process:
+//! when any of them stops, the process stops, non-zero, naming it.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -18,12 +18,13 @@ use flotilla_crds::MemberCluster;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tonic::transport::Identity;
 
-use crate::controller::{self, Context};
+use crate::controller::{self, Context, Notices};
 use crate::dispatch::Dispatcher;
 use crate::membership::{self, Membership};
+use crate::planner::{self, Planner};
 use crate::server::{self, FederationService};
 use crate::status::StatusBoard;
 
@@ -102,13 +103,12 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     let membership = Arc::new(Membership::new(args.heartbeat_grace));
     let (members, members_writer) = reflector::store::<MemberCluster>();
     let (apps, apps_writer) = reflector::store();
-    let (planned_tx, planned) = watch::channel(false);
+    let (notices, woken) = Notices::new(leading.clone());
+    let notices = Arc::new(notices);
     let ctx = Arc::new(Context {
         client: client.clone(),
-        dispatcher: dispatcher.clone(),
         status: status.clone(),
-        members: members.clone(),
-        apps: apps.clone(),
+        notices: notices.clone(),
         recorder: Recorder::new(
             client.clone(),
             Reporter {
@@ -117,13 +117,14 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
             },
         ),
         metrics: metrics.clone(),
-        planned,
         leading: leading.clone(),
     });
     let (members_changed, members_changed_rx) = watch::channel(Default::default());
     let (member_events, members_listed) = watch_all(&client, members_writer);
     let member_events = member_events.touched_objects();
     let (app_events, apps_listed) = watch_all(&client, apps_writer);
+    let (triggers, triggers_rx) = mpsc::unbounded_channel();
+    let (applied, applied_rx) = mpsc::unbounded_channel();
 
     let mut tasks = Supervisor::new(shutdown.clone(), Duration::from_secs(10));
     tasks.spawn("leader-election", async move {
@@ -145,23 +146,42 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
             _ = stop.cancelled() => Ok(()),
         }
     });
+    let watch = planner::watch_apps(app_events, triggers, applied);
+    let stop = shutdown.clone();
+    tasks.spawn("federatedmyapp-watch", async move {
+        tokio::select! {
+            ended = watch => ended,
+            _ = stop.cancelled() => Ok(()),
+        }
+    });
+    let planner = Planner {
+        dispatcher: dispatcher.clone(),
+        status: status.clone(),
+        notices,
+        apps: apps.clone(),
+        members: members.clone(),
+    };
+    let inputs = planner::Inputs {
+        apps: triggers_rx,
+        members: members_changed_rx,
+        apps_listed: apps_listed.clone(),
+        members_listed,
+    };
     tasks.spawn(
         "planner",
-        controller::plan_loop(
-            ctx.clone(),
-            controller::Listed {
-                apps: apps_listed.clone(),
-                members: members_listed,
-            },
-            planned_tx,
-            planned_gate,
-            members_changed_rx,
-            shutdown.clone(),
-        ),
+        planner.run(inputs, planned_gate, shutdown.clone()),
     );
+    let applied = tokio_stream::wrappers::UnboundedReceiverStream::new(applied_rx);
     tasks.spawn(
         "controller",
-        controller::run(ctx.clone(), app_events, apps_listed, shutdown.clone()),
+        controller::run(
+            ctx.clone(),
+            apps.clone(),
+            applied,
+            woken,
+            apps_listed,
+            shutdown.clone(),
+        ),
     );
     let service = FederationService {
         dispatcher,

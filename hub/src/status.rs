@@ -41,6 +41,9 @@ pub fn status_patch(status: &impl serde::Serialize, lists: &[&str]) -> Value {
     serde_json::json!({ "status": value })
 }
 
+/// What a user must fix in a plan, in words: the app's error, and each cluster's.
+pub type PlanErrors = (Option<String>, Vec<(String, String)>);
+
 /// One app's plan as the board holds it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Planned {
@@ -56,7 +59,7 @@ impl Planned {
     }
 
     /// What a user must fix: the app's error and each cluster's, in words.
-    fn errors(&self) -> (Option<String>, Vec<(String, String)>) {
+    pub fn errors(&self) -> PlanErrors {
         let failed = self
             .plan
             .reported()
@@ -174,6 +177,13 @@ impl StatusBoard {
             .unwrap_or_default();
         drop(b);
         self.dirty.mark_all(keys);
+    }
+
+    /// Whether the app's deletion was planned and every cluster confirmed it.
+    pub fn deletion_confirmed(&self, key: &AppKey) -> bool {
+        let b = self.board.lock();
+        let deleting_on = b.plans.get(key).and_then(|p| p.deleting_on.as_ref());
+        deleting_on.is_some_and(Vec::is_empty)
     }
 
     pub fn forget(&self, key: &AppKey) {

@@ -121,6 +121,9 @@ pub struct Index {
     present: HashMap<String, HashSet<Arc<AppKey>>>,
     /// app being deleted → clusters that have not confirmed it is gone (or released).
     deleting: HashMap<AppKey, BTreeSet<String>>,
+    /// app → clusters a plan took it off that have not said they no longer hold it (an
+    /// agent away when its Delete was due): a deletion waits for them too.
+    departed: HashMap<AppKey, BTreeSet<String>>,
     /// Deleted apps no finalizer holds (it was removed by hand): forgotten as soon as
     /// every cluster confirmed, since no reconcile will come to do it.
     unowned: HashSet<AppKey>,
@@ -148,13 +151,19 @@ impl Index {
         let mut pushes = Vec::new();
         let shared = Arc::new(key.clone());
         let before = self.placed.remove(key).unwrap_or_default();
+        let departed = self.departed.entry(key.clone()).or_default();
         for cluster in before.iter().filter(|c| !plan.contains_key(*c)) {
             self.desired.remove(cluster, key);
+            departed.insert(cluster.clone());
             pushes.push((
                 cluster.clone(),
                 key.clone(),
                 Change::Delete { orphan: false },
             ));
+        }
+        departed.retain(|c| !plan.contains_key(c));
+        if departed.is_empty() {
+            self.departed.remove(key);
         }
         for (cluster, want) in &plan {
             let previous = self.desired.insert(cluster, &shared, want.clone());
@@ -180,6 +189,7 @@ impl Index {
     /// restart, say).
     pub fn delete_app(&mut self, key: &AppKey, orphan: bool, also: &[String]) -> Vec<Push> {
         let mut candidates: BTreeSet<String> = self.placed.remove(key).unwrap_or_default();
+        candidates.extend(self.departed.remove(key).unwrap_or_default());
         candidates.extend(also.iter().cloned());
         candidates.extend(
             self.present
@@ -232,6 +242,31 @@ impl Index {
         pushes
     }
 
+    /// The app's object left the host and another of the same name is already listed
+    /// (deleted without our finalizer and created again, or so a re-list shows it).
+    /// Unless the old one asked to be orphaned (or is being released), what it placed is
+    /// left to the new one's plan, whatever that one's generation: the host wants those
+    /// MyApps again (rule 1), so a deletion under way is called off and the next
+    /// [`Index::set_app`] deletes only what the new plan leaves out. Releases go on as
+    /// [`Index::drop_app`] does them.
+    pub fn replace_app(&mut self, key: &AppKey, orphan: bool) -> Vec<Push> {
+        let releasing =
+            (self.desired.by_cluster.values()).any(|apps| apps.get(key) == Some(&Desired::Release));
+        if orphan || releasing {
+            return self.drop_app(key, true);
+        }
+        self.deleting.remove(key);
+        self.unowned.remove(key);
+        self.generation.remove(key);
+        Vec::new()
+    }
+
+    /// Whether the app is being deleted: plans for it change nothing until it is
+    /// forgotten.
+    pub fn is_deleting(&self, key: &AppKey) -> bool {
+        self.deleting.contains_key(key)
+    }
+
     /// Clusters that still hold an app being deleted; empty once it is gone everywhere.
     pub fn deletion_waiting_on(&self, key: &AppKey) -> Vec<String> {
         self.deleting
@@ -245,21 +280,34 @@ impl Index {
         self.deleting.remove(key);
         self.unowned.remove(key);
         self.generation.remove(key);
+        self.departed.remove(key);
         self.desired.remove_everywhere(key);
         self.placed.remove(key);
     }
 
     /// The registered clusters changed: a cluster that left is no longer waited for, and
-    /// what it was told to release is forgotten with it.
+    /// what it was told to release is forgotten with it. A deletion no finalizer holds
+    /// that waited only for clusters that left is over.
     pub fn retain_clusters(&mut self, registered: &BTreeSet<String>) {
         for waiting in self.deleting.values_mut() {
             waiting.retain(|c| registered.contains(c));
+        }
+        let over: Vec<AppKey> = (self.unowned.iter())
+            .filter(|key| self.deleting.get(*key).is_none_or(BTreeSet::is_empty))
+            .cloned()
+            .collect();
+        for key in over {
+            self.forget(&key);
         }
         self.desired.retain_clusters(registered);
         self.present.retain(|c, _| registered.contains(c));
         for clusters in self.placed.values_mut() {
             clusters.retain(|c| registered.contains(c));
         }
+        self.departed.retain(|_, clusters| {
+            clusters.retain(|c| registered.contains(c));
+            !clusters.is_empty()
+        });
     }
 
     /// An agent said Hello with the hashes of the apps it manages: what it lacks or has
@@ -311,6 +359,11 @@ impl Index {
                 ));
             }
         }
+        gone.extend(
+            (self.departed.iter())
+                .filter(|(key, clusters)| clusters.contains(cluster) && !managed.contains_key(*key))
+                .map(|(key, _)| key.clone()),
+        );
         for key in gone {
             self.confirm_gone(cluster, &key);
         }
@@ -358,7 +411,14 @@ impl Index {
         }
     }
 
+    /// The cluster's agent said it does not hold the app (its Hello, or a report).
     fn confirm_gone(&mut self, cluster: &str, key: &AppKey) {
+        if let Some(departed) = self.departed.get_mut(key) {
+            departed.remove(cluster);
+            if departed.is_empty() {
+                self.departed.remove(key);
+            }
+        }
         let Some(waiting) = self.deleting.get_mut(key) else {
             return;
         };
@@ -373,13 +433,14 @@ impl Index {
     }
 
     /// Whether `key` is this cluster's to report on: an app it should have, is deleting,
-    /// or last said it holds (a MyApp that just left its placement). Status for anything
-    /// else is refused.
+    /// was taken off it without a word since, or last said it holds (a MyApp that just
+    /// left its placement). Status for anything else is refused.
     pub fn is_placed(&self, cluster: &str, key: &AppKey) -> bool {
         self.desired
             .get(cluster)
             .is_some_and(|d| d.contains_key(key))
             || self.deleting.get(key).is_some_and(|w| w.contains(cluster))
+            || self.departed.get(key).is_some_and(|d| d.contains(cluster))
             || self.present.get(cluster).is_some_and(|p| p.contains(key))
     }
 
@@ -609,6 +670,7 @@ mod tests {
         Set(u8, Option<i64>, Vec<(u8, u8)>),
         Delete(u8, bool, Vec<u8>),
         Drop(u8, bool),
+        Replace(u8, bool),
         Forget(u8),
         Retain(Vec<u8>),
         Connect(u8, Vec<(u8, u8)>),
@@ -627,6 +689,7 @@ mod tests {
             (app(), proptest::option::of(0i64..3), plan).prop_map(|(a, g, p)| Op::Set(a, g, p)),
             (app(), any::<bool>(), clusters()).prop_map(|(a, o, c)| Op::Delete(a, o, c)),
             (app(), any::<bool>()).prop_map(|(a, o)| Op::Drop(a, o)),
+            (app(), any::<bool>()).prop_map(|(a, o)| Op::Replace(a, o)),
             app().prop_map(Op::Forget),
             clusters().prop_map(Op::Retain),
             (cluster(), proptest::collection::vec((app(), 0u8..3), 0..4))
@@ -660,6 +723,9 @@ mod tests {
             }
             Op::Drop(a, orphan) => {
                 ix.drop_app(&app(a), orphan);
+            }
+            Op::Replace(a, orphan) => {
+                ix.replace_app(&app(a), orphan);
             }
             Op::Forget(a) => ix.forget(&app(a)),
             Op::Retain(clusters) => {
@@ -775,6 +841,51 @@ mod tests {
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
     }
 
+    /// Found by the planner's model test: an app deleted without its finalizer whose
+    /// only holder then left stayed "being deleted" for ever, and so did a new app of
+    /// the same name.
+    #[test]
+    fn an_unowned_deletion_whose_holders_all_left_is_over() {
+        let mut ix = Index::default();
+        ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h"))]));
+        ix.drop_app(&key("a"), false);
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
+        ix.retain_clusters(&BTreeSet::new());
+        assert!(!ix.is_deleting(&key("a")));
+        assert_eq!(
+            kinds(&ix.set_app(&key("a"), Some(1), plan(&[("c2", rendered("h"))]))),
+            [t("c2", "a", "apply h")]
+        );
+    }
+
+    /// Found by the planner's model test: an app taken off a cluster whose agent was away
+    /// (its Delete went nowhere), then deleted, waits for that cluster too (rule 3); its
+    /// Hello says whether it still holds the MyApp.
+    #[test]
+    fn a_deletion_waits_for_a_cluster_the_app_left_while_its_agent_was_away() {
+        let mut ix = Index::default();
+        ix.connect("c1", &HashMap::new());
+        ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h"))]));
+        ix.report("c1", &key("a"), Held::Present);
+        ix.disconnect("c1");
+        ix.set_app(&key("a"), Some(2), plan(&[]));
+        assert!(ix.is_placed("c1", &key("a")), "c1 may still hold it");
+        ix.delete_app(&key("a"), false, &[]);
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
+        let (pushes, _) = ix.connect("c1", &hello(&[("a", "h")]));
+        assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=false")]);
+        ix.report("c1", &key("a"), Held::Absent);
+        assert!(ix.deletion_waiting_on(&key("a")).is_empty());
+        assert!(!ix.is_placed("c1", &key("a")));
+        // Taken off a connected cluster that says it no longer holds it: nothing waits.
+        ix.set_app(&key("b"), Some(1), plan(&[("c1", rendered("h"))]));
+        ix.set_app(&key("b"), Some(2), plan(&[]));
+        ix.report("c1", &key("b"), Held::Absent);
+        ix.disconnect("c1");
+        ix.delete_app(&key("b"), false, &[]);
+        assert!(ix.deletion_waiting_on(&key("b")).is_empty());
+    }
+
     #[test]
     fn a_desired_myapp_reported_absent_is_sent_again_but_a_failed_one_is_not() {
         let mut ix = Index::default();
@@ -818,6 +929,62 @@ mod tests {
         );
         let (_, keys) = ix.connect("c2", &HashMap::new());
         assert!(keys.is_empty());
+    }
+
+    /// Deleted without the finalizer and created again under the same name: the new
+    /// object's plan (generation 1 after 7) decides, and only what it leaves out goes.
+    #[test]
+    fn a_new_object_under_the_same_name_takes_over_what_the_old_one_placed() {
+        let mut ix = Index::default();
+        let p = plan(&[("c1", rendered("h")), ("c2", rendered("h"))]);
+        ix.set_app(&key("a"), Some(7), p);
+        ix.connect("c1", &hello(&[("a", "h")]));
+        assert!(ix.replace_app(&key("a"), false).is_empty());
+        assert!(!ix.is_deleting(&key("a")));
+        let pushes = ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h"))]));
+        assert_eq!(
+            kinds(&pushes),
+            [t("c2", "a", "delete orphan=false")],
+            "c1 keeps its MyApp: the new object wants it"
+        );
+    }
+
+    /// The old object was being deleted (finalizer removed by hand mid-way, say) when the
+    /// new one appeared: the deletion is called off, the new plan is applied.
+    #[test]
+    fn a_new_object_under_the_same_name_calls_off_a_deletion() {
+        let mut ix = Index::default();
+        ix.set_app(&key("a"), Some(3), plan(&[("c1", rendered("h"))]));
+        ix.delete_app(&key("a"), false, &[]);
+        assert!(ix.is_deleting(&key("a")));
+        ix.replace_app(&key("a"), false);
+        assert!(!ix.is_deleting(&key("a")));
+        assert!(ix.deletion_waiting_on(&key("a")).is_empty());
+        let pushes = ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h"))]));
+        assert_eq!(kinds(&pushes), [t("c1", "a", "apply h")]);
+    }
+
+    /// An old object that asked to be orphaned is released first; the new one waits.
+    #[test]
+    fn a_replaced_object_that_asked_to_be_orphaned_is_released_first() {
+        let mut ix = Index::default();
+        ix.set_app(&key("a"), Some(3), plan(&[("c1", rendered("h"))]));
+        ix.connect("c1", &hello(&[("a", "h")]));
+        assert_eq!(
+            kinds(&ix.replace_app(&key("a"), true)),
+            [t("c1", "a", "delete orphan=true")]
+        );
+        assert!(ix.is_deleting(&key("a")));
+        assert!(
+            ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h2"))]))
+                .is_empty()
+        );
+        ix.report("c1", &key("a"), Held::Absent);
+        assert!(!ix.is_deleting(&key("a")), "forgotten once released");
+        assert_eq!(
+            kinds(&ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h2"))]))),
+            [t("c1", "a", "apply h2")]
+        );
     }
 
     #[test]

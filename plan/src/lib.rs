@@ -15,6 +15,9 @@
 //!   into one [`AppPlan`] whose per-cluster [`ClusterPlan`] says apply, keep or nothing;
 //! - [`index`]: the desired set per cluster and what agents hold, the state machine the
 //!   safety rules live in;
+//! - [`planner`]: which apps each trigger (an app applied or gone, the clusters changed,
+//!   a recheck) plans again, and what each plan writes: the hub's one writer of the
+//!   index runs it;
 //! - [`status`]: the fold of a plan and agents' reports into `FederatedMyApp.status`.
 #![warn(clippy::too_many_lines)]
 
@@ -22,6 +25,7 @@ pub mod index;
 pub mod overrides;
 pub mod placement;
 pub mod plan;
+pub mod planner;
 pub mod render;
 pub mod schedule;
 pub mod status;

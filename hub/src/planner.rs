@@ -1,0 +1,386 @@
+//! Planner: the one writer of the index. One task takes every trigger from one merged
+//! stream (an app applied, an app gone, the registered clusters changed, a plan's
+//! recheck), takes one snapshot of the registered clusters after its last await, and
+//! plans with `flotilla_plan::planner`: the index through the dispatcher (which pushes
+//! the changes to agents), the plans to the status board. No plan can land after a plan
+//! made from newer clusters (rule 1: a member list read before an await once planned a
+//! joining cluster out again and sent it a Delete).
+//!
+//! Nothing is planned before both stores have listed (rule 2): a plan made from a
+//! partial list would tell agents to delete what is wanted. The first pass plans every
+//! app, deletions too (an orphaning delete must reach agents as a release, never as a
+//! missing entry that they would collect), then opens the gate for agents; an agent is
+//! admitted only once every app was planned with its cluster registered
+//! (`Dispatcher::planned_for`). A standby plans as the leader does, and so stays warm:
+//! only the leader serves agents and writes to the host.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::Hash;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use flotilla_common::http::Gate;
+use flotilla_common::listed::Listed;
+use flotilla_crds::{FederatedMyApp, MemberCluster};
+use flotilla_plan::AppPlan;
+use flotilla_plan::index::{AppKey, Desired};
+use flotilla_plan::planner::{self, Apps, Effects, Trigger, key_of, orphans};
+use futures::{Stream, StreamExt, TryStreamExt};
+use kube::ResourceExt;
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, predicates, watcher};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::controller::Notices;
+use crate::dispatch::Dispatcher;
+use crate::membership::{MemberChanges, registered};
+use crate::status::{Planned, StatusBoard};
+
+/// Triggers taken at once, with one member snapshot.
+const BATCH: usize = 1024;
+
+/// What the planner writes to, and reads from.
+pub struct Planner {
+    pub dispatcher: Arc<Dispatcher>,
+    pub status: Arc<StatusBoard>,
+    pub notices: Arc<Notices>,
+    pub apps: Store<FederatedMyApp>,
+    pub members: Store<MemberCluster>,
+}
+
+/// Where the planner's triggers come from.
+pub struct Inputs {
+    /// Apps applied and gone, from [`watch_apps`].
+    pub apps: mpsc::UnboundedReceiver<Trigger>,
+    /// Bumped by the MemberCluster watch whenever the registered clusters change.
+    pub members: watch::Receiver<MemberChanges>,
+    pub apps_listed: Listed,
+    pub members_listed: Listed,
+}
+
+impl Planner {
+    /// Waits until both stores have listed, plans every app, opens `gate`, then plans
+    /// what each trigger may have changed until `shutdown`.
+    pub async fn run(
+        self,
+        mut inputs: Inputs,
+        gate: Gate,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<()> {
+        let wait = |what: &'static str, listed: Listed| async move {
+            listed
+                .wait()
+                .await
+                .with_context(|| format!("the {what} watch"))?;
+            info!("{what}s listed");
+            anyhow::Ok(())
+        };
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            r = async {
+                tokio::try_join!(wait("FederatedMyApp", inputs.apps_listed.clone()), wait("MemberCluster", inputs.members_listed.clone()))
+            } => { r?; }
+        }
+        let mut core = planner::Planner::default();
+        inputs.members.borrow_and_update();
+        self.plan(&mut core, vec![Trigger::Members]);
+        gate.open();
+        info!(
+            apps = self.apps.state().len(),
+            clusters = self.members.state().len(),
+            "every app planned; accepting agents"
+        );
+        while let Some(batch) = next_batch(&mut inputs, &core, &shutdown).await? {
+            self.plan(&mut core, batch);
+        }
+        Ok(())
+    }
+
+    /// Plans `batch` with one snapshot of the registered clusters, taken now: after the
+    /// last await, so that no plan after it can use older clusters.
+    fn plan(&self, core: &mut planner::Planner, batch: Vec<Trigger>) {
+        let members = registered(&self.members);
+        let now = Instant::now().into_std();
+        let apps = AppStore(&self.apps);
+        let mut writes = Writes {
+            dispatcher: &self.dispatcher,
+            status: &self.status,
+            notices: &self.notices,
+        };
+        for trigger in batch {
+            core.handle(trigger, &apps, &members, now, &mut writes);
+        }
+    }
+}
+
+/// Waits for the next triggers: whatever the app watch queued, a membership change, or
+/// the earliest recheck. `None` at shutdown.
+async fn next_batch(
+    inputs: &mut Inputs,
+    core: &planner::Planner,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<Vec<Trigger>>> {
+    let recheck = async {
+        match core.next_recheck() {
+            Some(at) => tokio::time::sleep_until(Instant::from_std(at)).await,
+            None => std::future::pending().await,
+        }
+    };
+    let first = tokio::select! {
+        biased;
+        _ = shutdown.cancelled() => return Ok(None),
+        trigger = inputs.apps.recv() => match trigger {
+            Some(trigger) => trigger,
+            None if shutdown.is_cancelled() => return Ok(None),
+            None => anyhow::bail!("the FederatedMyApp watch ended"),
+        },
+        changed = inputs.members.changed() => {
+            if changed.is_err() && shutdown.is_cancelled() {
+                // The membership watch stopped first.
+                return Ok(None);
+            }
+            changed.context("the MemberCluster watch ended")?;
+            Trigger::Members
+        }
+        () = recheck => Trigger::Recheck,
+    };
+    let mut batch = vec![first];
+    while batch.len() < BATCH {
+        match inputs.apps.try_recv() {
+            Ok(trigger) => batch.push(trigger),
+            Err(_) => break,
+        }
+    }
+    Ok(Some(batch))
+}
+
+/// The FederatedMyApp store as the planner reads it.
+struct AppStore<'a>(&'a Store<FederatedMyApp>);
+
+impl Apps for AppStore<'_> {
+    fn get(&self, key: &AppKey) -> Option<Arc<FederatedMyApp>> {
+        self.0
+            .get(&ObjectRef::new(&key.name).within(&key.namespace))
+    }
+
+    fn all(&self) -> Vec<Arc<FederatedMyApp>> {
+        self.0.state()
+    }
+}
+
+/// The planner's effects: the index through the dispatcher, plans on the status board,
+/// and what the controller must hear of them.
+struct Writes<'a> {
+    dispatcher: &'a Dispatcher,
+    status: &'a StatusBoard,
+    notices: &'a Notices,
+}
+
+impl Effects for Writes<'_> {
+    fn set_app(
+        &mut self,
+        key: &AppKey,
+        generation: Option<i64>,
+        desired: BTreeMap<String, Desired>,
+    ) -> bool {
+        self.dispatcher.set_app(key, generation, desired)
+    }
+
+    fn delete_app(&mut self, key: &AppKey, orphan: bool, placed: &[String]) -> Vec<String> {
+        self.dispatcher.delete_app(key, orphan, placed)
+    }
+
+    fn drop_app(&mut self, key: &AppKey, orphan: bool, replaced: bool) {
+        self.dispatcher.drop_app(key, orphan, replaced);
+    }
+
+    fn planned_for(&mut self, registered: BTreeSet<String>) {
+        self.dispatcher.planned_for(registered);
+    }
+
+    fn publish(&mut self, key: &AppKey, plan: AppPlan, deleting_on: Option<Vec<String>>) {
+        let confirmed = deleting_on.as_ref().is_some_and(Vec::is_empty);
+        let planned = Planned { plan, deleting_on };
+        let errors = planned.errors();
+        let live = planned.deleting_on.is_none();
+        if self.status.set_plan(key, planned) && live {
+            self.notices.errors_changed(key, errors);
+        }
+        if confirmed {
+            self.notices.deletion_confirmed(key);
+        }
+    }
+
+    fn forget(&mut self, key: &AppKey) {
+        self.status.forget(key);
+    }
+}
+
+/// Runs the FederatedMyApp watch (`events` drives the store) until it ends: tells the
+/// planner of every app applied (a new generation) or gone, and hands applied apps to
+/// the controller. A watch never ends by itself; if it does, the hub must stop.
+pub async fn watch_apps(
+    events: impl Stream<Item = Result<watcher::Event<FederatedMyApp>, watcher::Error>> + Send,
+    triggers: mpsc::UnboundedSender<Trigger>,
+    controller: mpsc::UnboundedSender<FederatedMyApp>,
+) -> anyhow::Result<()> {
+    let mut departures = Departures::new(|app: &FederatedMyApp| (key_of(app), orphans(app)));
+    let gone = triggers.clone();
+    let applied = events
+        .inspect_ok(move |event| {
+            for (key, orphan) in departures.gone(event) {
+                let _ = gone.send(Trigger::Gone { key, orphan });
+            }
+        })
+        .applied_objects()
+        .predicate_filter(predicates::generation, Default::default());
+    let mut applied = std::pin::pin!(applied);
+    while let Some(app) = applied.next().await {
+        match app {
+            Ok(app) => {
+                let _ = triggers.send(Trigger::Applied(key_of(&app)));
+                let _ = controller.send(app);
+            }
+            // The watch retries with backoff; say why it had to.
+            Err(e) => warn!(error = %e, "watching FederatedMyApps"),
+        }
+    }
+    anyhow::bail!("the FederatedMyApp watch ended")
+}
+
+/// Which objects a watch shows gone: those it reports deleted, and those a re-list no
+/// longer holds, or holds as another object of the same name (deleted, and perhaps
+/// created again, while the watch was down, e.g. across an apiserver restart: no Delete
+/// event ever comes for them). Only two complete lists are compared, never a partial
+/// one. Each object is remembered by its key, its UID and `V` (the app's orphan wish).
+struct Departures<K, Key, V> {
+    describe: fn(&K) -> (Key, V),
+    /// Each object as last seen.
+    seen: HashMap<Key, (Option<String>, V)>,
+    /// The list in progress, from `Init` to `InitDone`.
+    relist: Option<HashMap<Key, (Option<String>, V)>>,
+}
+
+impl<K: ResourceExt, Key: Hash + Eq + Clone, V> Departures<K, Key, V> {
+    fn new(describe: fn(&K) -> (Key, V)) -> Self {
+        Self {
+            describe,
+            seen: HashMap::new(),
+            relist: None,
+        }
+    }
+
+    fn entry(&self, object: &K) -> (Key, (Option<String>, V)) {
+        let (key, value) = (self.describe)(object);
+        (key, (object.uid(), value))
+    }
+
+    /// Takes in one event; returns the objects it shows gone.
+    fn gone(&mut self, event: &watcher::Event<K>) -> Vec<(Key, V)> {
+        match event {
+            watcher::Event::Init => self.relist = Some(HashMap::new()),
+            watcher::Event::InitApply(object) => {
+                let (key, entry) = self.entry(object);
+                if let Some(listed) = &mut self.relist {
+                    listed.insert(key, entry);
+                }
+            }
+            watcher::Event::InitDone => {
+                if let Some(listed) = self.relist.take() {
+                    let before = std::mem::replace(&mut self.seen, listed);
+                    return (before.into_iter())
+                        .filter(|(key, (uid, _))| {
+                            self.seen.get(key).is_none_or(|(now, _)| now != uid)
+                        })
+                        .map(|(key, (_, value))| (key, value))
+                        .collect();
+                }
+            }
+            watcher::Event::Apply(object) => {
+                let (key, entry) = self.entry(object);
+                self.seen.insert(key, entry);
+            }
+            watcher::Event::Delete(object) => {
+                let (key, (_, value)) = self.entry(object);
+                self.seen.remove(&key);
+                return vec![(key, value)];
+            }
+        }
+        Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_crds::federated::ORPHAN_ANNOTATION;
+
+    fn named(name: &str, uid: &str, orphan: bool) -> FederatedMyApp {
+        let mut a: FederatedMyApp = serde_yaml::from_str(&format!(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {{name: {name}, namespace: n, uid: {uid}}}\nspec: {{}}\n"
+        ))
+        .unwrap();
+        if orphan {
+            a.annotations_mut()
+                .insert(ORPHAN_ANNOTATION.into(), "true".into());
+        }
+        a
+    }
+
+    type AppDepartures = Departures<FederatedMyApp, AppKey, bool>;
+
+    fn departures() -> AppDepartures {
+        Departures::new(|app: &FederatedMyApp| (key_of(app), orphans(app)))
+    }
+
+    fn list(d: &mut AppDepartures, apps: &[FederatedMyApp]) -> Vec<(AppKey, bool)> {
+        let mut gone = d.gone(&watcher::Event::Init);
+        for a in apps {
+            gone.extend(d.gone(&watcher::Event::InitApply(a.clone())));
+        }
+        gone.extend(d.gone(&watcher::Event::InitDone));
+        gone.sort_by_key(|(key, _)| key.to_string());
+        gone
+    }
+
+    /// An app deleted (finalizer removed by hand) while the watch was down is in no
+    /// event: the re-list that no longer holds it must report it, with its orphan wish;
+    /// the first list reports nothing, and neither does a list cut short.
+    #[test]
+    fn a_relist_reports_the_apps_it_no_longer_holds() {
+        let key = |name: &str| AppKey::new("n", name);
+        let mut d = departures();
+        let (a, b, c) = (
+            named("a", "1", false),
+            named("b", "2", true),
+            named("c", "3", false),
+        );
+        assert_eq!(list(&mut d, &[a.clone(), b.clone()]), vec![]);
+        assert_eq!(d.gone(&watcher::Event::Apply(c.clone())), vec![]);
+        // A list that restarts before its end reports nothing of its partial view.
+        d.gone(&watcher::Event::Init);
+        d.gone(&watcher::Event::InitApply(a.clone()));
+        let gone = list(&mut d, std::slice::from_ref(&a));
+        assert_eq!(gone, vec![(key("b"), true), (key("c"), false)]);
+        // Once reported, never again; a Delete event reports its app once.
+        assert_eq!(list(&mut d, std::slice::from_ref(&a)), vec![]);
+        assert_eq!(
+            d.gone(&watcher::Event::Delete(a.clone())),
+            vec![(key("a"), false)]
+        );
+        assert_eq!(list(&mut d, &[]), vec![]);
+    }
+
+    /// Deleted and created again under the same name while the watch was down: the
+    /// re-list holds the name, but not the object it knew.
+    #[test]
+    fn a_relist_reports_an_app_replaced_under_the_same_name() {
+        let mut d = departures();
+        list(&mut d, &[named("a", "1", true), named("b", "2", false)]);
+        let gone = list(&mut d, &[named("a", "9", false), named("b", "2", false)]);
+        assert_eq!(gone, vec![(AppKey::new("n", "a"), true)]);
+    }
+}

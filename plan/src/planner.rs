@@ -1,0 +1,304 @@
+//! Planner: which apps each trigger plans again, and what each plan writes. The hub's
+//! `planner` task is the one writer of the index: it feeds this core one trigger at a
+//! time with one snapshot of the registered clusters, taken after its last await, so
+//! that a plan made from older clusters can never land after one made from newer ones
+//! (a member list read before an await once planned a joining cluster out again, and
+//! sent it a Delete: DESIGN.md rule 1). Pure: the apps, the clusters, the time and the
+//! effects are passed in.
+//!
+//! - An app applied (a new generation, its deletion included) is planned from the app as
+//!   the store holds it now: an app being deleted is planned as a deletion (every cluster
+//!   its spec places it on is waited for, rule 3), looked at again every
+//!   [`DELETION_RECHECK`] until every cluster confirmed.
+//! - An app gone from the host (a Delete event, or missing from a re-list) is dropped:
+//!   its MyApps are deleted, or released with `kubefed.io/orphan`, even if its finalizer
+//!   was removed by hand. A new object of the same name takes over what the old one
+//!   placed, and calls off its deletion: its MyApps are the host's wish again (rule 1).
+//!   Releases (`kubefed.io/orphan`) go on, and the new object waits for them.
+//! - A change of what placement reads of the registered clusters plans every app, then
+//!   says which clusters every app was planned for (agents are admitted only then). It
+//!   is looked for at every trigger, so that no plan uses clusters the index was not
+//!   told about; a change of capacity alone plans the apps divided by capacity.
+//! - A recheck plans the apps whose plan asked to be looked at again by now.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flotilla_crds::FederatedMyApp;
+use flotilla_crds::federated::{ORPHAN_ANNOTATION, SchedulingMode};
+use flotilla_crds::member::ClusterCapacity;
+use kube::ResourceExt;
+
+use crate::index::{AppKey, Desired};
+use crate::placement::{Labels, Members};
+use crate::plan::{AppPlan, plan};
+
+/// How often an app is planned again while it waits: a deletion for clusters to confirm,
+/// a new object for the deletion of an older one of the same name.
+pub const DELETION_RECHECK: Duration = Duration::from_secs(1);
+
+/// Something that may change what apps want.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Trigger {
+    /// The app was created or its generation changed (its deletion included).
+    Applied(AppKey),
+    /// The app left the host: a Delete event, or missing from a re-list (or listed as
+    /// another object under the same name). `orphan`: its `kubefed.io/orphan` as last
+    /// seen.
+    Gone { key: AppKey, orphan: bool },
+    /// The registered clusters may have changed.
+    Members,
+    /// Some plan asked to be looked at again by now.
+    Recheck,
+}
+
+/// The FederatedMyApps as the host lists them now.
+pub trait Apps {
+    fn get(&self, key: &AppKey) -> Option<Arc<FederatedMyApp>>;
+    fn all(&self) -> Vec<Arc<FederatedMyApp>>;
+}
+
+/// Where plans go: the index (through the hub's dispatcher, which pushes its changes to
+/// agents) and the status board.
+pub trait Effects {
+    /// Makes `desired` the app's desired state ([`crate::index::Index::set_app`]); false
+    /// while the deletion of an earlier object of the same name holds it back.
+    fn set_app(
+        &mut self,
+        key: &AppKey,
+        generation: Option<i64>,
+        desired: BTreeMap<String, Desired>,
+    ) -> bool;
+    /// Deletes the app where it is or may be; returns the clusters still to confirm.
+    fn delete_app(&mut self, key: &AppKey, orphan: bool, placed: &[String]) -> Vec<String>;
+    /// The app's object is gone; `replaced`: another of the same name is listed.
+    fn drop_app(&mut self, key: &AppKey, orphan: bool, replaced: bool);
+    /// Every app was planned for exactly these registered clusters.
+    fn planned_for(&mut self, registered: BTreeSet<String>);
+    /// The app's plan for status (and, when its errors changed, Events); `deleting_on`:
+    /// the clusters a deletion waits for.
+    fn publish(&mut self, key: &AppKey, plan: AppPlan, deleting_on: Option<Vec<String>>);
+    /// The app is gone: status forgets it.
+    fn forget(&mut self, key: &AppKey);
+}
+
+/// The key of a FederatedMyApp: its namespace and name.
+pub fn key_of(app: &FederatedMyApp) -> AppKey {
+    AppKey::new(
+        app.namespace().unwrap_or_else(|| "default".into()),
+        app.name_any(),
+    )
+}
+
+/// Whether the app asks its MyApps to be released, not deleted, with it.
+pub fn orphans(app: &FederatedMyApp) -> bool {
+    app.annotations()
+        .get(ORPHAN_ANNOTATION)
+        .is_some_and(|v| v == "true")
+}
+
+fn by_capacity(app: &FederatedMyApp) -> bool {
+    let scheduling = app.spec.placement.replica_scheduling.as_ref();
+    scheduling.is_some_and(|r| r.mode == SchedulingMode::Capacity)
+}
+
+/// What placement and scheduling read of each registered cluster besides its capacity.
+/// Readiness counts as ready or not: how long a cluster has been NotReady moves with the
+/// clock, and each plan asks to be looked at again when a grace period ends.
+pub fn shape(members: &Members) -> Vec<(String, Labels, bool, bool)> {
+    members
+        .iter()
+        .map(|(name, m)| {
+            let not_ready = m.not_ready_for.is_some();
+            (name.clone(), m.labels.clone(), m.unschedulable, not_ready)
+        })
+        .collect()
+}
+
+/// Each registered cluster's capacity, in name order.
+pub fn capacity(members: &Members) -> Vec<Option<ClusterCapacity>> {
+    members.values().map(|m| m.capacity.clone()).collect()
+}
+
+/// What the registered clusters were when every app was last planned: their shape,
+/// and their capacity when the apps divided by capacity were.
+#[derive(Debug, PartialEq)]
+struct PlannedFor {
+    shape: Vec<(String, Labels, bool, bool)>,
+    capacity: Vec<Option<ClusterCapacity>>,
+}
+
+/// When each app wants to be planned again.
+#[derive(Debug, Default)]
+struct Rechecks {
+    due: BTreeSet<(Instant, AppKey)>,
+    at: HashMap<AppKey, Instant>,
+}
+
+impl Rechecks {
+    fn set(&mut self, key: &AppKey, at: Option<Instant>) {
+        if let Some(old) = self.at.remove(key) {
+            self.due.remove(&(old, key.clone()));
+        }
+        if let Some(at) = at {
+            self.due.insert((at, key.clone()));
+            self.at.insert(key.clone(), at);
+        }
+    }
+
+    /// Takes the apps due by `now`.
+    fn take_due(&mut self, now: Instant) -> Vec<AppKey> {
+        let mut keys = Vec::new();
+        while let Some((at, _)) = self.due.first()
+            && *at <= now
+        {
+            let (_, key) = self.due.pop_first().expect("just looked");
+            self.at.remove(&key);
+            keys.push(key);
+        }
+        keys
+    }
+
+    fn next(&self) -> Option<Instant> {
+        self.due.first().map(|(at, _)| *at)
+    }
+}
+
+/// The planner's state: what the clusters were when every app was last planned, and
+/// when each app wants another look.
+#[derive(Debug, Default)]
+pub struct Planner {
+    planned_for: Option<PlannedFor>,
+    rechecks: Rechecks,
+}
+
+impl Planner {
+    /// Plans what `trigger` may have changed, with the apps and the registered clusters
+    /// as they are now. Whatever the trigger, clusters of another shape than every app
+    /// was planned for are planned for first (every app), so that no plan uses clusters
+    /// the index was not told about.
+    pub fn handle(
+        &mut self,
+        trigger: Trigger,
+        apps: &impl Apps,
+        members: &Members,
+        now: Instant,
+        fx: &mut impl Effects,
+    ) {
+        let replanned = self.plan_for_shape(apps, members, now, fx);
+        match trigger {
+            Trigger::Applied(key) => {
+                if let Some(app) = apps.get(&key).filter(|_| !replanned) {
+                    self.plan_app(&app, members, now, fx);
+                }
+            }
+            Trigger::Gone { key, orphan } => {
+                self.rechecks.set(&key, None);
+                let replacement = apps.get(&key);
+                fx.drop_app(&key, orphan, replacement.is_some());
+                fx.forget(&key);
+                if let Some(app) = replacement {
+                    self.plan_app(&app, members, now, fx);
+                }
+            }
+            Trigger::Members => self.plan_for_capacity(apps, members, now, fx),
+            Trigger::Recheck => {
+                for key in self.rechecks.take_due(now) {
+                    if let Some(app) = apps.get(&key) {
+                        self.plan_app(&app, members, now, fx);
+                    }
+                }
+            }
+        }
+    }
+
+    /// When the earliest plan wants another look.
+    pub fn next_recheck(&self) -> Option<Instant> {
+        self.rechecks.next()
+    }
+
+    /// Plans every app when the registered clusters changed what placement reads of
+    /// them (or the first time), then says which clusters every app was planned for: a
+    /// cluster that left is no longer waited for, a new one's agent may be admitted.
+    /// True when it did.
+    fn plan_for_shape(
+        &mut self,
+        apps: &impl Apps,
+        members: &Members,
+        now: Instant,
+        fx: &mut impl Effects,
+    ) -> bool {
+        let shape = shape(members);
+        if self.planned_for.as_ref().is_some_and(|p| p.shape == shape) {
+            return false;
+        }
+        for app in apps.all() {
+            self.plan_app(&app, members, now, fx);
+        }
+        fx.planned_for(members.keys().cloned().collect());
+        self.planned_for = Some(PlannedFor {
+            shape,
+            capacity: capacity(members),
+        });
+        true
+    }
+
+    /// Plans the apps divided by capacity when the clusters' capacity changed.
+    fn plan_for_capacity(
+        &mut self,
+        apps: &impl Apps,
+        members: &Members,
+        now: Instant,
+        fx: &mut impl Effects,
+    ) {
+        let capacity = capacity(members);
+        match &mut self.planned_for {
+            Some(p) if p.capacity != capacity => p.capacity = capacity,
+            _ => return,
+        }
+        for app in apps.all().iter().filter(|a| by_capacity(a)) {
+            self.plan_app(app, members, now, fx);
+        }
+    }
+
+    /// Plans one app into the index and the board, and notes when to look again.
+    fn plan_app(
+        &mut self,
+        app: &FederatedMyApp,
+        members: &Members,
+        now: Instant,
+        fx: &mut impl Effects,
+    ) {
+        let key = key_of(app);
+        let plan = plan(app, members);
+        let recheck = if app.metadata.deletion_timestamp.is_some() {
+            // Every registered cluster the spec places it on must confirm, even one this
+            // hub never saw hold it (after a restart, say).
+            let placed: Vec<String> = plan.desired().into_keys().collect();
+            let waiting = fx.delete_app(&key, orphans(app), &placed);
+            let recheck = (!waiting.is_empty()).then_some(DELETION_RECHECK);
+            fx.publish(&key, plan, Some(waiting));
+            recheck
+        } else {
+            let generation = app.metadata.generation;
+            let mut taken = fx.set_app(&key, generation, plan.desired());
+            if !taken {
+                // This object is live: the deletion the index holds is an earlier one's
+                // (deleted without our finalizer). The host wants these MyApps again
+                // (rule 1): unless that one is releasing them, this plan takes over.
+                fx.drop_app(&key, false, true);
+                taken = fx.set_app(&key, generation, plan.desired());
+            }
+            // A grace period that ends, or replacements that may be Ready, change the
+            // division with no change to the app.
+            let recheck = match taken {
+                true => plan.schedule.as_ref().and_then(|s| s.recheck_after),
+                false => Some(DELETION_RECHECK),
+            };
+            fx.publish(&key, plan, None);
+            recheck
+        };
+        self.rechecks.set(&key, recheck.map(|after| now + after));
+    }
+}
