@@ -134,8 +134,11 @@ pub fn to_pb(c: &ClusterCapacity) -> pb::Capacity {
     }
 }
 
-/// Sends a capacity only when it changed, and at most once per `interval`; a new
-/// session starts a new limiter, so the hub always hears the current value first.
+/// Sends a capacity only when it moved by a quantum ([`ClusterCapacity::moved`]: a node
+/// came or went, or a figure moved by at least 5 % and one default request) since the
+/// last one sent, and at most once per `interval`; a new session starts a new limiter,
+/// so the hub always hears the current value first. Pods coming and going one at a time
+/// are no news: a quiet cluster sends nothing.
 #[derive(Debug)]
 pub struct Limiter {
     interval: Duration,
@@ -154,7 +157,9 @@ impl Limiter {
     pub fn admit(&mut self, capacity: &ClusterCapacity, now: Instant) -> bool {
         let send = match &self.last {
             None => true,
-            Some((at, sent)) => sent != capacity && now.duration_since(*at) >= self.interval,
+            Some((at, sent)) => {
+                ClusterCapacity::moved(sent, capacity) && now.duration_since(*at) >= self.interval
+            }
         };
         if send {
             self.last = Some((now, capacity.clone()));
@@ -444,13 +449,27 @@ mod tests {
     }
 
     #[test]
-    fn limiter_sends_changes_at_most_once_per_interval() {
+    fn limiter_sends_moves_of_a_quantum_at_most_once_per_interval() {
         let t0 = Instant::now();
         let s = Duration::from_secs(1);
         let mut l = Limiter::new(Duration::from_secs(10));
-        let a = ClusterCapacity::default();
+        let a = ClusterCapacity {
+            nodes: 3,
+            allocatable: Resources {
+                cpu_millis: 24_000,
+                memory_bytes: 48 << 30,
+            },
+            ..Default::default()
+        };
+        let requesting = |cpu_millis| ClusterCapacity {
+            requested: Resources {
+                cpu_millis,
+                memory_bytes: 0,
+            },
+            ..a.clone()
+        };
         let b = ClusterCapacity {
-            nodes: 1,
+            nodes: 4,
             ..a.clone()
         };
         assert!(l.admit(&a, t0), "the first one always goes");
@@ -459,6 +478,13 @@ mod tests {
         assert!(l.admit(&b, t0 + 10 * s));
         assert!(!l.admit(&a, t0 + 11 * s));
         assert!(l.admit(&a, t0 + 20 * s));
+        // One more pod requesting 50m: no news; a few more, past one default request: news.
+        assert!(!l.admit(&requesting(50), t0 + 40 * s));
+        assert!(!l.admit(&requesting(99), t0 + 50 * s));
+        assert!(l.admit(&requesting(100), t0 + 60 * s));
+        // Small steps do not add up unseen: each is judged against what was sent.
+        assert!(!l.admit(&requesting(150), t0 + 70 * s));
+        assert!(l.admit(&requesting(200), t0 + 80 * s));
     }
 
     #[test]

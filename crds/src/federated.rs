@@ -29,6 +29,10 @@ pub const ORPHAN_ANNOTATION: &str = "kubefed.io/orphan";
     printcolumn = r#"{"name":"Replicas","type":"integer","description":"Replicas the scheduling assigns across clusters","jsonPath":".status.replicas"}"#,
     printcolumn = r#"{"name":"Ready-Replicas","type":"integer","description":"Ready replicas across clusters","jsonPath":".status.readyReplicas"}"#,
     printcolumn = r#"{"name":"Propagated","type":"string","jsonPath":".status.conditions[?(@.type==\"Propagated\")].status"}"#,
+    printcolumn = r#"{"name":"Applied","type":"integer","priority":1,"description":"Placed clusters running the latest version","jsonPath":".status.appliedClusters"}"#,
+    printcolumn = r#"{"name":"Pending","type":"integer","priority":1,"description":"Placed clusters whose agent has not applied the latest version yet","jsonPath":".status.pendingClusters"}"#,
+    printcolumn = r#"{"name":"Disconnected","type":"integer","priority":1,"description":"Placed clusters whose MemberCluster is NotReady","jsonPath":".status.disconnectedClusters"}"#,
+    printcolumn = r#"{"name":"Failed","type":"integer","priority":1,"description":"Clusters the MyApp could not be rendered for or applied to","jsonPath":".status.failedClusters"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -230,13 +234,17 @@ pub enum OverrideOp {
     Replace,
 }
 
-/// Written by the hub only.
+/// Written by the hub only. Bounded whatever the number of clusters: up to 50 clusters
+/// every one is listed in `clusters`; beyond, `clusters` lists the 20 most urgent, the
+/// counts cover all of them, and `division` keeps every cluster's assignment.
+/// `flotilla-hub status NAME` shows every cluster.
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct FederatedMyAppStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Propagated` and `Ready`.
+    /// `Propagated` and `Ready`; their messages name the most urgent clusters first and
+    /// end with "… and N more" past 1 KiB.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
@@ -246,16 +254,127 @@ pub struct FederatedMyAppStatus {
     /// Placed clusters whose MyApp is ready.
     #[serde(default)]
     pub ready_clusters: i32,
-    /// Replicas assigned across clusters (the sum of `clusters[].replicas`).
+    /// Placed clusters running the latest version (absent: 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub applied_clusters: i32,
+    /// Placed clusters whose agent has not applied the latest version yet (absent: 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pending_clusters: i32,
+    /// Placed clusters whose MemberCluster is NotReady: their agent has not heartbeated
+    /// within the heartbeat grace; what they run keeps running (absent: 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub disconnected_clusters: i32,
+    /// Clusters the MyApp could not be rendered for or applied to, or named in
+    /// `placement.clusters` but not registered (absent: 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failed_clusters: i32,
+    /// Clusters whose share moved elsewhere (failover); their copy is left as it is
+    /// (absent: 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failed_over_clusters: i32,
+    /// Replicas assigned across clusters (the sum of every cluster's `replicas`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<i32>,
     /// Ready replicas across clusters.
     #[serde(default)]
     pub ready_replicas: i32,
-    /// One entry per placed cluster, and one per named cluster that is not registered.
+    /// One entry per placed cluster, and one per named cluster that is not registered; past
+    /// 50 of them, only the 20 most urgent (see `omittedClusters`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
     pub clusters: Vec<ClusterStatus>,
+    /// Clusters with an entry that `clusters` leaves out (absent: 0, every cluster is
+    /// listed). Non-zero, `division` is the whole division.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub omitted_clusters: i32,
+    /// Every cluster's assignment when `clusters` is not the whole list: the clusters
+    /// sharing replicas, ready replicas and reason, grouped. The next plan reads it back
+    /// (a division changes as little as it can; cordoned clusters keep what they run).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub division: Vec<DivisionGroup>,
+}
+
+/// Up to this many clusters, `status.clusters` lists every one.
+pub const FULL_LIST_MAX: usize = 50;
+/// Past [`FULL_LIST_MAX`], `status.clusters` lists this many of the most urgent.
+pub const URGENT_MAX: usize = 20;
+
+fn is_zero(n: &i32) -> bool {
+    *n == 0
+}
+
+/// Clusters that share one assignment. `clusters` holds their names, sorted and
+/// front-coded to stay small at thousands of clusters: names separated by `,`, each one
+/// after the first written as `N:rest`, the first N bytes of the name before it followed
+/// by `rest` (`member0001,9:2,8:10` is member0001, member0002, member0010).
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DivisionGroup {
+    pub replicas: i32,
+    #[serde(default)]
+    pub ready_replicas: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<SchedulingReason>,
+    pub clusters: String,
+}
+
+impl DivisionGroup {
+    /// The group's cluster names, decoded; an entry that does not decode is an error
+    /// naming it.
+    pub fn cluster_names(&self) -> Result<Vec<String>, String> {
+        decode_names(&self.clusters)
+    }
+}
+
+/// `names` (sorted) front-coded as [`DivisionGroup::clusters`] holds them.
+pub fn encode_names<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
+    let mut out = String::new();
+    let mut previous = "";
+    for name in names {
+        if !out.is_empty() {
+            out.push(',');
+        }
+        let shared = previous
+            .bytes()
+            .zip(name.bytes())
+            .take_while(|(a, b)| a == b)
+            .count();
+        // Cut on a character boundary (names are ASCII, but never split one).
+        let shared = (0..=shared)
+            .rev()
+            .find(|n| name.is_char_boundary(*n))
+            .unwrap_or(0);
+        if shared > 1 {
+            out.push_str(&format!("{shared}:{}", &name[shared..]));
+        } else {
+            out.push_str(name);
+        }
+        previous = name;
+    }
+    out
+}
+
+/// The names [`encode_names`] wrote.
+pub fn decode_names(encoded: &str) -> Result<Vec<String>, String> {
+    let mut names: Vec<String> = Vec::new();
+    for entry in encoded.split(',').filter(|e| !e.is_empty()) {
+        let name = match entry.split_once(':') {
+            None => entry.to_owned(),
+            Some((shared, rest)) => {
+                let previous = names.last().map_or("", String::as_str);
+                let prefix = shared
+                    .parse::<usize>()
+                    .ok()
+                    .and_then(|n| previous.get(..n))
+                    .ok_or_else(|| {
+                        format!("division entry {entry:?} does not follow {previous:?}")
+                    })?;
+                format!("{prefix}{rest}")
+            }
+        };
+        names.push(name);
+    }
+    Ok(names)
 }
 
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
@@ -275,7 +394,8 @@ pub struct ClusterStatus {
     /// Generation of the MyApp in the member cluster that the operator observed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Why this cluster is not ready, in words a user can act on; empty when fine.
+    /// Why this cluster is not ready, in words a user can act on (cut at 256 bytes;
+    /// `flotilla-hub status NAME` shows it whole); empty when fine.
     #[serde(default)]
     pub message: String,
 }
@@ -312,4 +432,39 @@ pub enum SchedulingReason {
 /// `value` may be any JSON: schema it as such, kept by the apiserver unpruned.
 fn any_value(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({ "x-kubernetes-preserve-unknown-fields": true })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_front_code_and_decode_back() {
+        let names = [
+            "member0001",
+            "member0002",
+            "member0010",
+            "other",
+            "o",
+            "paris-1",
+        ];
+        let encoded = encode_names(names);
+        assert_eq!(encoded, "member0001,9:2,8:10,other,o,paris-1");
+        assert_eq!(decode_names(&encoded).unwrap(), names);
+        assert_eq!(decode_names("").unwrap(), Vec::<String>::new());
+        assert_eq!(encode_names([]), "");
+        // 1,000 names of the bench's shape: under 6 bytes each.
+        let many: Vec<String> = (0..1000).map(|i| format!("member{i:04}")).collect();
+        let encoded = encode_names(many.iter().map(String::as_str));
+        assert!(encoded.len() < 6 * 1000, "{} bytes", encoded.len());
+        assert_eq!(decode_names(&encoded).unwrap(), many);
+    }
+
+    #[test]
+    fn a_broken_division_names_the_entry() {
+        let e = decode_names("ab,5:x").unwrap_err();
+        assert!(e.contains("\"5:x\" does not follow \"ab\""), "{e}");
+        assert!(decode_names("ab,x:y").is_err());
+        assert!(decode_names("9:x").is_err(), "nothing before it");
+    }
 }

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Nodes","type":"integer","jsonPath":".status.capacity.nodes"}"#,
     printcolumn = r#"{"name":"Kubernetes","type":"string","jsonPath":".status.kubernetesVersion"}"#,
     printcolumn = r#"{"name":"Agent","type":"string","jsonPath":".status.agentVersion"}"#,
-    printcolumn = r#"{"name":"Heartbeat","type":"date","jsonPath":".status.lastHeartbeatTime"}"#,
+    printcolumn = r#"{"name":"Since","type":"date","description":"When Ready last changed","jsonPath":".status.conditions[?(@.type==\"Ready\")].lastTransitionTime"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -47,8 +47,11 @@ pub struct MemberClusterStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
-    /// The agent's latest heartbeat as of the last status write: refreshed at least once
-    /// per heartbeat grace period (`Ready` turns False after one without a heartbeat).
+    /// The agent's latest heartbeat as of the last status write. The status is written
+    /// only when what it shows changes (readiness, versions, UID, a held-back collection,
+    /// capacity), never for a heartbeat alone: this is when it last changed, not a sign
+    /// of life. Liveness is the `Ready` condition (False after `--heartbeat-grace`
+    /// without a heartbeat) and its `lastTransitionTime`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_heartbeat_time: Option<Time>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -65,7 +68,9 @@ pub struct MemberClusterStatus {
         skip_serializing_if = "Option::is_none"
     )]
     pub cluster_uid: Option<String>,
-    /// The cluster's capacity as its agent last reported it.
+    /// The cluster's capacity as its agent last reported it: updated when a figure moved
+    /// by 5 % and one default request (100m CPU, 200 MiB) or a node came or went, at most
+    /// once per the hub's `--capacity-write-interval`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<ClusterCapacity>,
 }
@@ -114,6 +119,32 @@ impl ClusterCapacity {
         ))
     }
 }
+
+impl ClusterCapacity {
+    /// Whether `now` differs enough from `before` to be worth reporting and writing: the
+    /// node count changed, or a figure moved by at least 5 % of its value and by at least
+    /// one [`DEFAULT_REQUEST`] (a pod coming or going alone is not news).
+    pub fn moved(before: &ClusterCapacity, now: &ClusterCapacity) -> bool {
+        let far = |a: i64, b: i64, quantum: i64| {
+            a.abs_diff(b) >= (a.unsigned_abs() / 20).max(quantum as u64)
+        };
+        let resources = |a: &Resources, b: &Resources| {
+            far(a.cpu_millis, b.cpu_millis, DEFAULT_REQUEST.cpu_millis)
+                || far(a.memory_bytes, b.memory_bytes, DEFAULT_REQUEST.memory_bytes)
+        };
+        before.nodes != now.nodes
+            || resources(&before.allocatable, &now.allocatable)
+            || resources(&before.requested, &now.requested)
+            || resources(&before.largest_free, &now.largest_free)
+    }
+}
+
+/// A replica without requests counts as requesting what the kube-scheduler assumes for
+/// scoring (its non-zero defaults: 100m CPU, 200 MiB).
+pub const DEFAULT_REQUEST: Resources = Resources {
+    cpu_millis: 100,
+    memory_bytes: 200 * 1024 * 1024,
+};
 
 /// CPU and memory as whole numbers, so that the hub's arithmetic is exact.
 #[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
@@ -236,6 +267,43 @@ pub fn parse_quantity(s: &str, scale: i32) -> Result<i64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn capacity_moves_by_a_quantum_or_a_node() {
+        let gib = 1 << 30;
+        let base = ClusterCapacity {
+            nodes: 3,
+            allocatable: Resources {
+                cpu_millis: 32_000,
+                memory_bytes: 64 * gib,
+            },
+            requested: Resources {
+                cpu_millis: 1_000,
+                memory_bytes: gib,
+            },
+            largest_free: Resources {
+                cpu_millis: 10_000,
+                memory_bytes: 20 * gib,
+            },
+        };
+        let with = |f: &dyn Fn(&mut ClusterCapacity)| {
+            let mut c = base.clone();
+            f(&mut c);
+            ClusterCapacity::moved(&base, &c)
+        };
+        assert!(!with(&|_| {}));
+        assert!(with(&|c| c.nodes = 4), "a node joined");
+        // 1 CPU requested: 5 % is 50m, a default request 100m.
+        assert!(!with(&|c| c.requested.cpu_millis += 99));
+        assert!(with(&|c| c.requested.cpu_millis += 100));
+        // 32 CPU allocatable: 5 % is 1.6 CPU.
+        assert!(!with(&|c| c.allocatable.cpu_millis -= 1_599));
+        assert!(with(&|c| c.allocatable.cpu_millis -= 1_600));
+        // 20 GiB free on a node: 5 % is 1 GiB.
+        assert!(!with(&|c| c.largest_free.memory_bytes -= gib / 2));
+        assert!(with(&|c| c.largest_free.memory_bytes -= gib));
+        assert!(with(&|c| c.requested.memory_bytes += 200 << 20));
+    }
 
     #[test]
     fn quantities_ugly_inputs_are_refused() {

@@ -16,13 +16,15 @@
 //! - [`support`]: workspace root, built binaries, free ports, HTTP GET, metrics samples,
 //! - [`wait`]: the poll helper.
 //!
-//! For the fault suite: [`converge`] (what every member must run vs what it runs),
+//! For the fault and load suites: [`converge`] (what every member must run vs what it runs),
 //! [`deletions`] (every deletion of a managed MyApp during a test), [`faults`] (kill,
-//! replace, stop and start components) and [`proxy`] (a link that can be cut).
+//! replace, stop and start components), [`proxy`] (a link that can be cut) and
+//! [`apiserver`] (writes as an apiserver counts them, Lease holders).
 //!
 //! Then the commands: [`status`] (`flotilla-e2e status`), [`testcmd`] (`flotilla-e2e test`),
 //! [`demo`] and [`bench`] (`flotilla-e2e bench <scenario>`: fan-out, resync, latency).
 
+pub mod apiserver;
 pub mod bench;
 pub mod cluster;
 pub mod converge;

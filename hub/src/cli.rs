@@ -55,6 +55,9 @@ pub enum Command {
     Cordon(CordonArgs),
     /// Let new replicas onto a cordoned member cluster again.
     Uncordon(CordonArgs),
+    /// Every cluster of a FederatedMyApp, from the leading hub (its status on the host
+    /// lists only the most urgent past 50 clusters).
+    Status(crate::detail::StatusArgs),
     /// Print the CustomResourceDefinitions Flotilla installs.
     Crds,
     /// Print the version.

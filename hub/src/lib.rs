@@ -5,7 +5,9 @@
 //! `auth` (tokens), `server` (the gRPC service agents dial), `convert` (what the hub
 //! reads out of agents' messages), `status` (the board of plans and reports, and the
 //! writer of FederatedMyApp status), `membership` (MemberCluster watch, heartbeats and
-//! capacity → MemberCluster status), `install` (what `join` prints), `run` (wiring only,
+//! capacity → MemberCluster status), `writes` (what both status writers share: merge
+//! patches, the budget, backoff), `detail` (every cluster's status on demand: the HTTP
+//! endpoint and `flotilla-hub status`), `install` (what `join` prints), `run` (wiring only,
 //! with `flotilla_common::leader` choosing the leading replica), `cli`.
 //!
 //! Public only what the binary, the fan-out benchmark (`flotilla-e2e`) and the
@@ -15,6 +17,7 @@ pub mod auth;
 pub mod cli;
 pub mod controller;
 pub mod convert;
+pub mod detail;
 pub mod dispatch;
 pub(crate) mod install;
 pub mod membership;
@@ -22,3 +25,4 @@ pub mod planner;
 pub mod run;
 pub mod server;
 pub mod status;
+pub mod writes;

@@ -50,6 +50,7 @@ fn main() -> ExitCode {
                         Command::Unjoin(args) => cli::unjoin(&kube, &args).await,
                         Command::Cordon(args) => cli::cordon(&kube, &args, true).await,
                         Command::Uncordon(args) => cli::cordon(&kube, &args, false).await,
+                        Command::Status(args) => flotilla_hub::detail::status(&kube, &args).await,
                         _ => unreachable!("handled above"),
                     }
                 })

@@ -1,15 +1,22 @@
 //! Membership: the MemberCluster watch and agents' heartbeats.
 //!
 //! The watch keeps the MemberCluster store, ends the sessions of clusters whose
-//! credential was revoked or rotated (or that were deleted), and says when the set of
-//! registered clusters changed, so that every app is planned again. Heartbeats become
-//! `MemberCluster.status` (`Ready`, last heartbeat, versions): a cluster is Ready while
-//! heartbeats arrive within the grace period; a disconnect alone does not flip it, since
-//! a restarting hub or agent reconnects within seconds.
+//! credential was revoked or rotated (or that were deleted), tells the status board
+//! which clusters are Ready, and says when the registered clusters changed, so that apps
+//! are planned again (capacity changes debounced).
+//!
+//! Heartbeats keep a cluster alive in the leading hub's memory; the MemberCluster status
+//! is written only when what it shows changes: `Ready` turns True (a session starts) or
+//! False (no heartbeat for the grace period; a disconnect alone does not flip it, and a
+//! hub that just took the lead declares no cluster gone before a grace period), the
+//! agent's or Kubernetes' version or the cluster's UID change, a collection is held
+//! back, or the capacity moved by a quantum (at most once per capacity interval). A
+//! heartbeat alone is never a write; `lastHeartbeatTime` is the latest heartbeat as of
+//! the last write. A fleet of 1,000 quiet clusters costs the host no write at all.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::bail;
 use flotilla_common::coalesce::Pending;
@@ -25,13 +32,26 @@ use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::Store;
 use parking_lot::Mutex;
+use serde_json::Value;
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::auth;
 use crate::dispatch::Dispatcher;
-use crate::status::status_patch;
+use crate::status::StatusBoard;
+use crate::writes::{self, Failure, Tracker, Write, WriteMetrics};
+
+/// The `kind` label of this writer's metrics.
+const KIND: &str = "membercluster";
+/// A capacity-only change re-plans the Capacity apps at most this often.
+pub const CAPACITY_REPLAN_EVERY: Duration = Duration::from_secs(10);
+/// The hub writes one cluster's capacity at most this often, by default.
+pub const CAPACITY_WRITE_INTERVAL: Duration = Duration::from_secs(60);
+/// What an agent says of itself (versions, the cluster's UID) is cut to this many bytes
+/// before it reaches the host.
+const AGENT_STRING_MAX: usize = 128;
 
 /// Registered clusters (labels, cordon, readiness, capacity), leaving out those being
 /// deleted, as the store holds them now ([`registered_of`]).
@@ -41,6 +61,18 @@ pub fn registered(members: &Store<MemberCluster>) -> Members {
 
 /// Counts of changes to the registered clusters: of anything placement reads (names,
 /// labels, cordon, readiness), and of capacity only (which only `Capacity` apps read).
+///
+/// Capacity changes are few by construction: agents report a capacity only when it
+/// moved by a quantum ([`ClusterCapacity::moved`]), the hub writes one cluster's at most
+/// once per capacity interval (a minute by default), and `capacity` is bumped at most
+/// once per [`CAPACITY_REPLAN_EVERY`] (the first change at once, the rest together at
+/// the end of that time).
+///
+/// For the planner: a capacity change can affect only the apps with
+/// `replicaScheduling.mode: Capacity` whose placement includes a cluster whose capacity
+/// changed. Placement reads no capacity, so the placed clusters stay the same; within
+/// such an app the division of all its clusters may change (each cluster's share is its
+/// room against the others'). Every other app plans exactly as before.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MemberChanges {
     pub clusters: u64,
@@ -59,10 +91,61 @@ pub fn foreign_cluster(member: &MemberCluster, uid: &str) -> Option<String> {
     })
 }
 
+/// The clusters whose MemberCluster shows `Ready=True` now.
+fn ready_clusters(members: &Store<MemberCluster>) -> HashSet<String> {
+    let ready = members.state().into_iter().filter(|m| {
+        let conditions = m.status.as_ref().map_or(&[][..], |s| &s.conditions);
+        condition::is_true(conditions, "Ready") == Some(true)
+    });
+    ready.map(|m| m.name_any()).collect()
+}
+
+/// Lets a signal through at once, then at most once per `every`: what comes meanwhile
+/// goes out together when that time is up.
+#[derive(Debug)]
+struct Debounce {
+    every: Duration,
+    last: Option<Instant>,
+    pending: bool,
+}
+
+impl Debounce {
+    fn new(every: Duration) -> Self {
+        Self {
+            every,
+            last: None,
+            pending: false,
+        }
+    }
+
+    /// A signal at `now`: whether it goes out now (else it is held).
+    fn hit(&mut self, now: Instant) -> bool {
+        if self
+            .last
+            .is_some_and(|at| now.duration_since(at) < self.every)
+        {
+            self.pending = true;
+            return false;
+        }
+        self.fired(now);
+        true
+    }
+
+    /// When the held signal is due.
+    fn due(&self) -> Option<Instant> {
+        self.pending.then(|| self.last.map(|at| at + self.every))?
+    }
+
+    fn fired(&mut self, now: Instant) {
+        (self.last, self.pending) = (Some(now), false);
+    }
+}
+
 /// Runs the MemberCluster watch (`events` drives the store): closes sessions that lost
 /// their credential, carries a user's confirmation of a held-back collection to the
-/// cluster's agent, and bumps `changed` whenever the registered clusters change. A watch
-/// never ends by itself; if it does, the hub must stop.
+/// cluster's agent, tells the status board which clusters are Ready, and bumps `changed`
+/// whenever the registered clusters change. A watch never ends by itself; if it does,
+/// the hub must stop.
 pub async fn watch_members(
     events: impl Stream<Item = Result<MemberCluster, kube::runtime::watcher::Error>>,
     members: Store<MemberCluster>,
@@ -73,14 +156,30 @@ pub async fn watch_members(
 ) -> anyhow::Result<()> {
     let api: Api<MemberCluster> = Api::all(client);
     let (mut last_shape, mut last_capacity) = (None, None);
+    let mut replan = Debounce::new(CAPACITY_REPLAN_EVERY);
     let mut events = std::pin::pin!(events);
-    while let Some(event) = events.next().await {
+    loop {
+        let held = async {
+            match replan.due() {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        let event = tokio::select! {
+            event = events.next() => event,
+            _ = held => {
+                replan.fired(Instant::now());
+                changed.send_modify(|c| c.capacity += 1);
+                continue;
+            }
+        };
         let member = match event {
-            Ok(member) => member,
-            Err(e) => {
+            Some(Ok(member)) => member,
+            Some(Err(e)) => {
                 warn!(error = %e, "watching MemberClusters");
                 continue;
             }
+            None => break,
         };
         for session in dispatcher.sessions() {
             if auth::revoked(&members, &session.identity) {
@@ -94,11 +193,14 @@ pub async fn watch_members(
                 membership.collection_confirmed(&name);
             }
         }
+        if let Some(status) = &membership.status {
+            status.set_reachable(ready_clusters(&members));
+        }
         let now = registered(&members);
         let (shape, capacity) = (shape(&now), capacity(&now));
         if last_shape.as_ref() != Some(&shape) {
             changed.send_modify(|c| c.clusters += 1);
-        } else if last_capacity.as_ref() != Some(&capacity) {
+        } else if last_capacity.as_ref() != Some(&capacity) && replan.hit(Instant::now()) {
             changed.send_modify(|c| c.capacity += 1);
         }
         (last_shape, last_capacity) = (Some(shape), Some(capacity));
@@ -155,21 +257,37 @@ pub use flotilla_crds::CONFIRM_COLLECTION_ANNOTATION;
 #[derive(Debug, Clone, Default)]
 struct Member {
     last_heartbeat: Option<(Instant, Timestamp)>,
-    /// When a status with this cluster's heartbeat time was last made to be written.
-    heartbeat_written: Option<Instant>,
     agent_version: Option<String>,
     kubernetes_version: Option<String>,
     cluster_uid: Option<String>,
     /// The agent's circuit breaker held back this many collections (of so many managed).
     blocked: Option<(u32, u32)>,
-    /// What the agent last reported (it sends only changes, rate-limited).
+    /// What the agent last reported (it sends only moves of a quantum, rate-limited).
     capacity: Option<ClusterCapacity>,
+    /// When this hub last wrote the cluster's capacity.
+    capacity_written: Option<Instant>,
 }
 
 pub struct Membership {
     members: Mutex<HashMap<String, Member>>,
     dirty: Pending<String>,
     grace: Duration,
+    capacity_interval: Duration,
+    /// Told which clusters are Ready and which agents it heard.
+    status: Option<Arc<StatusBoard>>,
+    metrics: WriteMetrics,
+}
+
+/// `s` cut to at most `max` bytes (on a character boundary).
+fn capped(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let end = (0..=max)
+            .rev()
+            .find(|i| s.is_char_boundary(*i))
+            .unwrap_or(0);
+        s.truncate(end);
+    }
+    s
 }
 
 impl Membership {
@@ -178,37 +296,61 @@ impl Membership {
             members: Mutex::default(),
             dirty: Pending::default(),
             grace,
+            capacity_interval: CAPACITY_WRITE_INTERVAL,
+            status: None,
+            metrics: WriteMetrics::default(),
         }
     }
 
-    /// A session started: written at once, so that a new agent shows Ready in well under
-    /// a second.
+    /// Tells `status` which clusters are Ready (from the watch) and whose agents this
+    /// hub heard (their heartbeats).
+    pub fn with_status(mut self, status: Arc<StatusBoard>) -> Self {
+        self.status = Some(status);
+        self
+    }
+
+    /// Writes a cluster's capacity at most once per `interval`.
+    pub fn with_capacity_interval(mut self, interval: Duration) -> Self {
+        self.capacity_interval = interval;
+        self
+    }
+
+    pub fn with_metrics(mut self, metrics: WriteMetrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// A session started: looked at at once, so that a new agent shows Ready in well
+    /// under a second; written only if it changes what the status shows.
     pub fn hello(&self, cluster: &str, hello: &flotilla_proto::v1::Hello) {
+        let uid = Some(hello.cluster_uid.clone()).filter(|u| !u.is_empty());
+        let uid = match uid {
+            Some(u) if u.len() > AGENT_STRING_MAX => {
+                warn!(%cluster, bytes = u.len(), "the agent's cluster UID is not a UID; not pinned");
+                None
+            }
+            uid => uid,
+        };
         let mut members = self.members.lock();
         let m = members.entry(cluster.to_owned()).or_default();
-        m.agent_version = Some(hello.agent_version.clone());
-        m.kubernetes_version = Some(hello.kubernetes_version.clone());
-        m.cluster_uid = Some(hello.cluster_uid.clone()).filter(|u| !u.is_empty());
+        m.agent_version = Some(capped(hello.agent_version.clone(), AGENT_STRING_MAX));
+        m.kubernetes_version = Some(capped(hello.kubernetes_version.clone(), AGENT_STRING_MAX));
+        m.cluster_uid = uid;
         m.blocked = None;
         m.last_heartbeat = Some((Instant::now(), Timestamp::now()));
         drop(members);
         self.dirty.mark(cluster.to_owned());
     }
 
-    /// A heartbeat keeps the cluster Ready; its time is written only when the time
-    /// shown is a grace period old, so that a quiet fleet costs the host one write per
-    /// cluster per grace period rather than one per heartbeat.
+    /// A heartbeat keeps the cluster alive, in memory only: it is no write. The agent
+    /// sends it after its reports, so the status board has heard this cluster.
     pub fn heartbeat(&self, cluster: &str) {
-        let now = Instant::now();
         let mut members = self.members.lock();
         let m = members.entry(cluster.to_owned()).or_default();
-        m.last_heartbeat = Some((now, Timestamp::now()));
-        let stale = m
-            .heartbeat_written
-            .is_none_or(|at| now.duration_since(at) >= self.grace);
+        m.last_heartbeat = Some((Instant::now(), Timestamp::now()));
         drop(members);
-        if stale {
-            self.dirty.mark(cluster.to_owned());
+        if let Some(status) = &self.status {
+            status.heard(cluster);
         }
     }
 
@@ -223,7 +365,8 @@ impl Membership {
         self.dirty.mark(cluster.to_owned());
     }
 
-    /// The cluster's room for more pods, for `replicaScheduling.mode: Capacity`.
+    /// The cluster's room for more pods, for `replicaScheduling.mode: Capacity`: written
+    /// when it moved by a quantum, at most once per capacity interval.
     pub fn capacity(&self, cluster: &str, capacity: ClusterCapacity) {
         let mut members = self.members.lock();
         let m = members.entry(cluster.to_owned()).or_default();
@@ -250,38 +393,78 @@ impl Membership {
             .is_some_and(|(at, _)| now.duration_since(at) <= self.grace)
     }
 
-    /// The statuses to write now: clusters that heartbeated, and those whose readiness
-    /// shown differs from the truth. Before one grace period has passed `since` this hub
-    /// began writing, an agent may still be reconnecting: no cluster is declared gone.
+    /// The capacity to write now, if the one reported moved by a quantum from what the
+    /// status shows and the capacity interval has passed since this hub last wrote it.
+    fn capacity_due<'a>(
+        &self,
+        m: Option<&'a Member>,
+        shown: Option<&ClusterCapacity>,
+        now: Instant,
+    ) -> Option<&'a ClusterCapacity> {
+        let m = m?;
+        let reported = m.capacity.as_ref()?;
+        let moved = shown.is_none_or(|shown| ClusterCapacity::moved(shown, reported));
+        let recent = m
+            .capacity_written
+            .is_some_and(|at| now.duration_since(at) < self.capacity_interval);
+        (moved && !recent).then_some(reported)
+    }
+
+    /// The writes due now: for each cluster marked, whose readiness shown differs from
+    /// the truth, or whose capacity is due, the status it should show, when that differs
+    /// from what it shows. Before one grace period has passed `since` this hub began
+    /// writing, an agent may still be reconnecting: no cluster is declared gone.
     fn due(
         &self,
-        dirty: &[String],
+        marked: &HashSet<String>,
         store: &Store<MemberCluster>,
         since: Instant,
-    ) -> Vec<(String, MemberClusterStatus)> {
+        tracker: &mut Tracker<String>,
+    ) -> Vec<(Write<String>, bool)> {
         let now = Instant::now();
         let settled = now.duration_since(since) > self.grace;
-        let mut members = self.members.lock();
-        store
-            .state()
-            .iter()
-            .filter_map(|mc| {
-                let name = mc.name_any();
-                let m = members.get(&name);
-                let alive = self.alive(m, now);
-                let previous = mc.status.as_ref();
-                let shown = previous.and_then(|s| condition::is_true(&s.conditions, "Ready"));
-                let due = dirty.contains(&name) || (shown != Some(alive) && (alive || settled));
-                if !due {
-                    return None;
-                }
-                let status = self.status(&name, m, alive, previous, mc.metadata.generation);
-                if let Some(m) = members.get_mut(&name) {
-                    m.heartbeat_written = Some(now);
-                }
-                Some((name, status))
-            })
-            .collect()
+        let members = self.members.lock();
+        let mut due = Vec::new();
+        for mc in store.state() {
+            let name = mc.name_any();
+            let m = members.get(&name);
+            let previous = mc.status.as_ref();
+            let shown = previous.and_then(|s| condition::is_true(&s.conditions, "Ready"));
+            let alive = self.alive(m, now);
+            let judged = alive || settled;
+            let ready = if judged {
+                alive
+            } else {
+                shown.unwrap_or(false)
+            };
+            let capacity = self.capacity_due(m, previous.and_then(|p| p.capacity.as_ref()), now);
+            let turned = judged && shown != Some(ready);
+            if !marked.contains(&name) && !turned && capacity.is_none() {
+                continue;
+            }
+            let version = mc.resource_version().unwrap_or_default();
+            if !tracker.may_write(&name, &version, now) {
+                continue;
+            }
+            let mut status = self.status(&name, m, ready, previous, mc.metadata.generation);
+            status.capacity = capacity
+                .or(previous.and_then(|p| p.capacity.as_ref()))
+                .cloned();
+            let old = to_value(previous);
+            if to_value(Some(&status)) == old {
+                tracker.unchanged(&name);
+                continue;
+            }
+            let beat = m.and_then(|m| m.last_heartbeat).map(|(_, t)| Time(t));
+            status.last_heartbeat_time = beat.or(status.last_heartbeat_time);
+            let new = to_value(Some(&status));
+            due.extend(
+                tracker
+                    .patch(&name, &old, &new, &version)
+                    .map(|w| (w, capacity.is_some())),
+            );
+        }
+        due
     }
 
     /// Keeps every MemberCluster's status current while this hub leads, until
@@ -294,7 +477,6 @@ impl Membership {
         mut leading: watch::Receiver<bool>,
         shutdown: CancellationToken,
     ) -> anyhow::Result<()> {
-        let api: Api<MemberCluster> = Api::all(client);
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
@@ -306,48 +488,78 @@ impl Membership {
             };
             tokio::select! {
                 _ = lost => continue,
-                r = self.write_while_leading(&api, &store, since, &shutdown) => return r,
+                r = self.write_while_leading(&client, &store, since, &shutdown) => return r,
             }
         }
     }
 
     async fn write_while_leading(
         &self,
-        api: &Api<MemberCluster>,
+        client: &kube::Client,
         store: &Store<MemberCluster>,
         since: Instant,
         shutdown: &CancellationToken,
     ) -> anyhow::Result<()> {
+        let api: Api<MemberCluster> = Api::all(client.clone());
+        let mut tracker = Tracker::default();
         let tick = (self.grace / 4).max(Duration::from_millis(250));
-        while let Some(dirty) = self.dirty.take(Duration::ZERO, Some(tick), shutdown).await {
-            for (name, status) in self.due(&dirty, store, since) {
-                let patch = Patch::Merge(status_patch(&status, &["conditions"]));
-                match api
-                    .patch_status(&name, &PatchParams::default(), &patch)
-                    .await
-                {
-                    Ok(_) => {}
-                    Err(kube::Error::Api(e)) if e.code == 404 => {}
-                    Err(e) => {
-                        warn!(cluster = %name, error = %e, "writing MemberCluster status failed; retrying");
-                        self.dirty.mark(name);
-                    }
+        loop {
+            let next = tracker.next(Instant::now()).map_or(tick, |r| r.min(tick));
+            let Some(marked) = self.dirty.take(Duration::ZERO, Some(next), shutdown).await else {
+                return Ok(());
+            };
+            let mut marked: HashSet<String> = marked.into_iter().collect();
+            marked.extend(tracker.due(Instant::now()));
+            let due = self.due(&marked, store, since, &mut tracker);
+            self.metrics.backlog(KIND, due.len());
+            for (write, capacity) in due {
+                let (name, url) = (write.key.clone(), api.resource_url());
+                let answer = writes::send(client, url, &name, &write.patch).await;
+                match tracker.settle(write, answer, Instant::now()) {
+                    Ok(bytes) => self.written(&name, bytes, capacity),
+                    Err((failure, retry_in)) => self.failed(&name, failure, retry_in),
                 }
             }
         }
-        Ok(())
     }
 
+    fn written(&self, cluster: &str, bytes: usize, capacity: bool) {
+        debug!(cluster, bytes, "MemberCluster status written");
+        self.metrics.written(KIND, bytes);
+        if capacity && let Some(m) = self.members.lock().get_mut(cluster) {
+            m.capacity_written = Some(Instant::now());
+        }
+    }
+
+    fn failed(&self, cluster: &str, failure: Failure, retry_in: Option<Duration>) {
+        self.metrics.result(KIND, failure.label());
+        match failure {
+            Failure::Gone => {}
+            Failure::Conflict => debug!(
+                cluster,
+                ?retry_in,
+                "MemberCluster status conflict; retrying"
+            ),
+            Failure::Transient(error) => {
+                warn!(cluster, %error, ?retry_in, "writing MemberCluster status failed; retrying")
+            }
+            Failure::Rejected(error) => {
+                warn!(cluster, %error, "the apiserver rejects this MemberCluster status; it is sent again only once it changes")
+            }
+        }
+    }
+
+    /// The status a cluster should show (its capacity and heartbeat time aside).
     fn status(
         &self,
         name: &str,
         m: Option<&Member>,
-        alive: bool,
+        ready: bool,
         previous: Option<&MemberClusterStatus>,
         generation: Option<i64>,
     ) -> MemberClusterStatus {
         let now = Time(Timestamp::now());
-        let (reason, message) = if alive {
+        let (reason, message) = if ready {
             (
                 "AgentHeartbeating",
                 "the cluster's agent is connected and heartbeating".to_owned(),
@@ -362,13 +574,9 @@ impl Membership {
             )
         };
         let before = previous.map_or(&[][..], |p| &p.conditions);
-        let ready = condition::new("Ready", alive, reason, message, generation, &now);
-        if condition::is_true(before, "Ready") != Some(alive) {
-            info!(
-                cluster = name,
-                ready = alive,
-                "MemberCluster readiness changed"
-            );
+        let ready_condition = condition::new("Ready", ready, reason, message, generation, &now);
+        if condition::is_true(before, "Ready") != Some(ready) {
+            info!(cluster = name, ready, "MemberCluster readiness changed");
         }
         let blocked = match m.and_then(|m| m.blocked) {
             Some((would_collect, managed)) => condition::new(
@@ -388,245 +596,35 @@ impl Membership {
                 &now,
             ),
         };
+        let remembered = |mine: Option<&String>, shown: Option<&String>| mine.or(shown).cloned();
         MemberClusterStatus {
-            conditions: [ready, blocked]
+            conditions: [ready_condition, blocked]
                 .into_iter()
                 .map(|c| condition::settle(c, before))
                 .collect(),
-            cluster_uid: m
-                .and_then(|m| m.cluster_uid.clone())
-                .or_else(|| previous.and_then(|p| p.cluster_uid.clone())),
-            last_heartbeat_time: m
-                .and_then(|m| m.last_heartbeat)
-                .map(|(_, t)| Time(t))
-                .or_else(|| previous.and_then(|p| p.last_heartbeat_time.clone())),
-            agent_version: m
-                .and_then(|m| m.agent_version.clone())
-                .or_else(|| previous.and_then(|p| p.agent_version.clone())),
-            kubernetes_version: m
-                .and_then(|m| m.kubernetes_version.clone())
-                .or_else(|| previous.and_then(|p| p.kubernetes_version.clone())),
-            capacity: m
-                .and_then(|m| m.capacity.clone())
-                .or_else(|| previous.and_then(|p| p.capacity.clone())),
+            cluster_uid: remembered(
+                m.and_then(|m| m.cluster_uid.as_ref()),
+                previous.and_then(|p| p.cluster_uid.as_ref()),
+            ),
+            last_heartbeat_time: previous.and_then(|p| p.last_heartbeat_time.clone()),
+            agent_version: remembered(
+                m.and_then(|m| m.agent_version.as_ref()),
+                previous.and_then(|p| p.agent_version.as_ref()),
+            ),
+            kubernetes_version: remembered(
+                m.and_then(|m| m.kubernetes_version.as_ref()),
+                previous.and_then(|p| p.kubernetes_version.as_ref()),
+            ),
+            capacity: None,
         }
     }
+}
+
+fn to_value(status: Option<&MemberClusterStatus>) -> Value {
+    status.map_or(Value::Object(Default::default()), |s| {
+        serde_json::to_value(s).expect("a status serializes")
+    })
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use kube::runtime::{reflector, watcher};
-
-    fn store(names: &[(&str, Option<bool>)]) -> Store<MemberCluster> {
-        let (store, mut writer) = reflector::store::<MemberCluster>();
-        writer.apply_watcher_event(&watcher::Event::Init);
-        for (name, ready) in names {
-            let mut m = MemberCluster::new(name, Default::default());
-            if let Some(ready) = ready {
-                let now = Time(Timestamp::now());
-                m.status = Some(MemberClusterStatus {
-                    conditions: vec![condition::new("Ready", *ready, "X", "", None, &now)],
-                    ..Default::default()
-                });
-            }
-            writer.apply_watcher_event(&watcher::Event::InitApply(m));
-        }
-        writer.apply_watcher_event(&watcher::Event::InitDone);
-        store
-    }
-
-    #[test]
-    fn a_heartbeat_makes_a_cluster_ready_and_due() {
-        let m = Membership::new(Duration::from_secs(40));
-        m.hello(
-            "c1",
-            &flotilla_proto::v1::Hello {
-                agent_version: "0.1.0".into(),
-                kubernetes_version: "v1.34.4".into(),
-                cluster_uid: "uid-1".into(),
-                ..Default::default()
-            },
-        );
-        let due = m.due(
-            &["c1".into()],
-            &store(&[("c1", None), ("c2", None)]),
-            Instant::now(),
-        );
-        assert_eq!(
-            due.len(),
-            1,
-            "c2 is not declared gone within the first grace period"
-        );
-        let (name, status) = &due[0];
-        assert_eq!(name, "c1");
-        assert_eq!(condition::is_true(&status.conditions, "Ready"), Some(true));
-        assert_eq!(status.agent_version.as_deref(), Some("0.1.0"));
-        assert_eq!(
-            status.cluster_uid.as_deref(),
-            Some("uid-1"),
-            "the physical cluster is pinned"
-        );
-        assert_eq!(
-            condition::is_true(&status.conditions, "CollectionBlocked"),
-            Some(false)
-        );
-        assert!(status.last_heartbeat_time.is_some());
-    }
-
-    #[test]
-    fn silence_past_the_grace_period_turns_a_cluster_not_ready() {
-        let m = Membership::new(Duration::ZERO);
-        let since = Instant::now();
-        std::thread::sleep(Duration::from_millis(5));
-        let due = m.due(
-            &[],
-            &store(&[("c1", Some(true)), ("c2", Some(false))]),
-            since,
-        );
-        assert_eq!(due.len(), 1, "c2 already shows NotReady: nothing to write");
-        assert_eq!(due[0].0, "c1");
-        let ready = &due[0].1.conditions[0];
-        assert_eq!(
-            (ready.status.as_str(), ready.reason.as_str()),
-            ("False", "AgentSilent")
-        );
-    }
-
-    /// The clusters marked for a status write by now.
-    async fn marked(m: &Membership) -> Vec<String> {
-        let stop = CancellationToken::new();
-        m.dirty
-            .take(Duration::ZERO, Some(Duration::from_millis(1)), &stop)
-            .await
-            .unwrap()
-    }
-
-    /// A heartbeat alone is no news: its time is written at most once per grace period
-    /// (every heartbeat was a write: 100 writes/s to the host at 1,000 clusters).
-    #[tokio::test]
-    async fn heartbeats_are_written_once_per_grace_period() {
-        let m = Membership::new(Duration::from_millis(300));
-        let members = store(&[("c1", Some(true))]);
-        m.heartbeat("c1");
-        let first = marked(&m).await;
-        assert_eq!(first, ["c1"], "a first heartbeat is written");
-        assert_eq!(m.due(&first, &members, Instant::now()).len(), 1);
-        m.heartbeat("c1");
-        assert!(
-            marked(&m).await.is_empty(),
-            "a heartbeat just written is not written again"
-        );
-        tokio::time::sleep(Duration::from_millis(350)).await;
-        m.heartbeat("c1");
-        assert_eq!(
-            marked(&m).await,
-            ["c1"],
-            "a grace period later, it is refreshed"
-        );
-    }
-
-    #[test]
-    fn an_unchanged_ready_cluster_is_not_rewritten() {
-        let m = Membership::new(Duration::from_secs(40));
-        m.heartbeat("c1");
-        assert!(
-            m.due(&[], &store(&[("c1", Some(true))]), Instant::now())
-                .is_empty()
-        );
-    }
-
-    #[test]
-    fn a_capacity_report_is_written_once_and_kept_across_hub_restarts() {
-        use flotilla_crds::member::Resources;
-        let m = Membership::new(Duration::from_secs(40));
-        let room = ClusterCapacity {
-            nodes: 3,
-            allocatable: Resources {
-                cpu_millis: 6000,
-                memory_bytes: 12 << 30,
-            },
-            ..Default::default()
-        };
-        m.heartbeat("c1");
-        m.capacity("c1", room.clone());
-        let due = m.due(
-            &["c1".into()],
-            &store(&[("c1", Some(true))]),
-            Instant::now(),
-        );
-        assert_eq!(due[0].1.capacity.as_ref(), Some(&room));
-        // A hub that restarted has heard nothing yet: it keeps what the status shows.
-        let restarted = Membership::new(Duration::from_secs(40));
-        restarted.heartbeat("c1");
-        let mut shown = MemberCluster::new("c1", Default::default());
-        shown.status = Some(MemberClusterStatus {
-            capacity: Some(room.clone()),
-            ..Default::default()
-        });
-        let (members, mut writer) = reflector::store::<MemberCluster>();
-        writer.apply_watcher_event(&watcher::Event::Apply(shown));
-        let due = restarted.due(&["c1".into()], &members, Instant::now());
-        assert_eq!(due[0].1.capacity.as_ref(), Some(&room));
-    }
-
-    #[test]
-    fn a_held_back_collection_shows_how_to_confirm_it() {
-        let m = Membership::new(Duration::from_secs(40));
-        m.heartbeat("c1");
-        m.collection_blocked("c1", 7, 10);
-        let due = m.due(
-            &["c1".into()],
-            &store(&[("c1", Some(true))]),
-            Instant::now(),
-        );
-        let blocked = due[0]
-            .1
-            .conditions
-            .iter()
-            .find(|c| c.type_ == "CollectionBlocked")
-            .unwrap();
-        assert_eq!(blocked.status, "True");
-        assert!(
-            blocked
-                .message
-                .contains("kubectl annotate membercluster c1 flotilla.io/confirm-collection=7"),
-            "{}",
-            blocked.message
-        );
-        // Confirmed and passed on to the agent: the condition clears.
-        m.collection_confirmed("c1");
-        let due = m.due(
-            &["c1".into()],
-            &store(&[("c1", Some(true))]),
-            Instant::now(),
-        );
-        let blocked = due[0]
-            .1
-            .conditions
-            .iter()
-            .find(|c| c.type_ == "CollectionBlocked");
-        assert_eq!(blocked.unwrap().status, "False");
-    }
-
-    #[test]
-    fn an_agent_in_another_physical_cluster_is_foreign() {
-        let mut mc = MemberCluster::new("c1", Default::default());
-        assert_eq!(foreign_cluster(&mc, "uid-2"), None, "nothing pinned yet");
-        mc.status = Some(MemberClusterStatus {
-            cluster_uid: Some("uid-1".into()),
-            ..Default::default()
-        });
-        assert_eq!(foreign_cluster(&mc, "uid-1"), None);
-        assert!(
-            foreign_cluster(&mc, "uid-2")
-                .unwrap()
-                .contains("bound to the cluster whose kube-system namespace has UID uid-1")
-        );
-        assert_eq!(
-            foreign_cluster(&mc, ""),
-            None,
-            "an agent that cannot read kube-system is not refused"
-        );
-    }
-}
+mod tests;

@@ -22,11 +22,13 @@ use tokio::sync::{mpsc, watch};
 use tonic::transport::Identity;
 
 use crate::controller::{self, Context, Notices};
+use crate::detail;
 use crate::dispatch::Dispatcher;
 use crate::membership::{self, Membership};
 use crate::planner::{self, Planner};
 use crate::server::{self, FederationService};
-use crate::status::StatusBoard;
+use crate::status::{StatusBoard, StatusWriter};
+use crate::writes::WriteMetrics;
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
@@ -44,9 +46,20 @@ pub struct RunArgs {
     /// A MemberCluster turns NotReady after this long without a heartbeat.
     #[arg(long, default_value = "40s", value_parser = humantime::parse_duration)]
     pub heartbeat_grace: Duration,
-    /// Status writes of one FederatedMyApp are coalesced over this window.
+    /// Status writes of one FederatedMyApp are coalesced over this window when the host
+    /// is quiet; it widens with the backlog, up to 5s.
     #[arg(long, default_value = "200ms", value_parser = humantime::parse_duration)]
     pub status_window: Duration,
+    /// FederatedMyApp status writes per second, on average (a token bucket).
+    #[arg(long, default_value_t = 50.0)]
+    pub status_writes_per_second: f64,
+    /// FederatedMyApp status writes at once, beyond the average.
+    #[arg(long, default_value_t = 100)]
+    pub status_write_burst: u32,
+    /// One MemberCluster's capacity is written at most this often (agents report it only
+    /// when it moved by 5 % and one default request, or a node came or went).
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub capacity_write_interval: Duration,
     /// Names this instance in Events (the pod name in a cluster).
     #[arg(long, env = "POD_NAME")]
     pub instance: Option<String>,
@@ -73,8 +86,22 @@ where
         + 'static,
 {
     let events = watcher(Api::<K>::all(client.clone()), watcher::Config::default());
-    listed::track(reflector(writer, events).default_backoff())
+    listed::track(reflector(writer, events.modify(trim)).default_backoff())
 }
+
+/// What the hub's caches do not keep: nothing in the hub reads `managedFields` or the
+/// copy of the object `kubectl apply` leaves in an annotation. (A FederatedMyApp's
+/// status is kept whole: the writer compares and patches against it, the planner reads
+/// the division and `observedGeneration` in it, conditions keep their transition times.)
+fn trim<K: kube::Resource>(object: &mut K) {
+    let meta = object.meta_mut();
+    meta.managed_fields = None;
+    if let Some(annotations) = meta.annotations.as_mut() {
+        annotations.remove(LAST_APPLIED);
+    }
+}
+
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
 pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     let shutdown = flotilla_common::shutdown::on_signal().context("installing signal handlers")?;
@@ -96,11 +123,18 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     let dispatcher = Arc::new(Dispatcher::default());
     let mut metrics = Metrics::default();
     dispatcher.metrics.register(metrics.registry_mut());
-    let metrics = Arc::new(metrics);
     let readiness = Readiness::default();
     let planned_gate = readiness.gate("initial-plan");
+    let writes = WriteMetrics::default();
+    writes.register(metrics.registry_mut());
+    let metrics = Arc::new(metrics);
     let status = Arc::new(StatusBoard::default());
-    let membership = Arc::new(Membership::new(args.heartbeat_grace));
+    let membership = Arc::new(
+        Membership::new(args.heartbeat_grace)
+            .with_status(status.clone())
+            .with_capacity_interval(args.capacity_write_interval)
+            .with_metrics(writes.clone()),
+    );
     let (members, members_writer) = reflector::store::<MemberCluster>();
     let (apps, apps_writer) = reflector::store();
     let (notices, woken) = Notices::new(leading.clone());
@@ -195,18 +229,24 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         "grpc",
         server::serve(args.grpc_addr, tls, service, shutdown.clone()),
     );
+    let writer = StatusWriter {
+        client: client.clone(),
+        apps: apps.clone(),
+        recorder: ctx.recorder.clone(),
+        metrics: writes,
+        window: args.status_window,
+        rate: args.status_writes_per_second,
+        burst: args.status_write_burst,
+    };
     tasks.spawn(
         "status-writer",
-        status.write_loop(
-            client.clone(),
-            apps,
-            args.status_window,
-            leading.clone(),
-            shutdown.clone(),
-        ),
+        status
+            .clone()
+            .write_loop(writer, leading.clone(), shutdown.clone()),
     );
     tasks.spawn("membercluster-status-writer", {
         let shutdown = shutdown.clone();
+        let leading = leading.clone();
         async move {
             membership
                 .write_loop(client, members, leading, shutdown)
@@ -214,7 +254,9 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         }
     });
     let addr = args.http_addr;
-    let endpoints = http::serve(addr, http::router(metrics, readiness), shutdown);
+    let router =
+        http::router(metrics, readiness).merge(detail::routes(status, apps, leading.clone()));
+    let endpoints = http::serve(addr, router, shutdown);
     tasks.spawn("http", async move {
         endpoints
             .await

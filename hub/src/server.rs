@@ -172,7 +172,6 @@ impl Federation for FederationService {
         info!(%cluster, agent = %hello.agent_version, kubernetes = %hello.kubernetes_version, managed = managed.len(), "agent connected");
         self.membership.hello(&cluster, &hello);
         self.dispatcher.metrics.collection_blocked(&cluster, 0);
-        self.status.connected(&cluster);
 
         let (tx, rx) = mpsc::channel(STREAM_BUFFER);
         tokio::spawn(send_loop(
@@ -307,9 +306,8 @@ async fn receive_loop(
             }
         }
     }
+    // Status does not hear of it: a cluster's apps turn AgentDisconnected only when its
+    // MemberCluster turns NotReady (the heartbeat grace), not when a session ends.
     dispatcher.disconnect(&queue);
-    if dispatcher.sessions().iter().all(|q| q.cluster() != cluster) {
-        status.disconnected(&cluster);
-    }
     info!(%cluster, "agent disconnected");
 }

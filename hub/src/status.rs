@@ -1,45 +1,48 @@
 //! Status: the board of plans and agents' reports, and the writer of
 //! `FederatedMyApp.status` (the status itself is `flotilla_plan::status::compute`).
 //!
-//! Reports land on a board in memory; a writer patches each FederatedMyApp whose status
-//! changed at most once per window, however many reports arrived, so that the host
-//! apiserver sees one write per app per window rather than one per report. The board
-//! also knows which clusters have a live agent session: it hears every connect and
-//! disconnect.
+//! Reports land on a board in memory; the writer computes the status of each app marked
+//! since its last round, from a snapshot taken under the board's lock and outside it, and
+//! writes only what changed ([`crate::writes`]: merge patches, a budget, backoff).
+//!
+//! What "connected" means to a status: a cluster is reachable while its MemberCluster is
+//! Ready (the heartbeat grace; [`StatusBoard::set_reachable`], from the MemberCluster
+//! watch), never because a session closed: a session that ends and returns within the
+//! grace (a hub failover, a step-down, a network blip) changes no status. A hub that just
+//! took the lead has no report yet; an app with a reachable cluster whose agent has not
+//! yet given this hub its reports ([`StatusBoard::heard`]) waits, so that the new
+//! leader's first write is not a false "Pending".
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_common::coalesce::Pending;
 use flotilla_crds::FederatedMyApp;
 use flotilla_crds::federated::FederatedMyAppStatus;
-use flotilla_plan::AppPlan;
 use flotilla_plan::index::AppKey;
-use flotilla_plan::status::{Inputs, Report, compute};
+use flotilla_plan::status::{Inputs, Report, compute, detail};
+use flotilla_plan::{AppPlan, ClusterPlan, KeepReason};
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::ResourceExt;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
+use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Resource, ResourceExt};
 use parking_lot::Mutex;
 use serde_json::Value;
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-/// The merge patch that makes `status` the object's status: lists that became empty are
-/// cleared (they are left out when serialized, which a merge patch would read as "keep").
-pub fn status_patch(status: &impl serde::Serialize, lists: &[&str]) -> Value {
-    let mut value = serde_json::to_value(status).expect("a status serializes");
-    if let Value::Object(map) = &mut value {
-        for list in lists {
-            map.entry(*list).or_insert(Value::Null);
-        }
-    }
-    serde_json::json!({ "status": value })
-}
+use crate::writes::{self, Budget, Failure, Tracker, Write, WriteMetrics};
+use flotilla_common::coalesce::Pending;
+
+/// The `kind` label of this writer's metrics.
+const KIND: &str = "federatedmyapp";
+/// Status patches in flight at once.
+const CONCURRENCY: usize = 8;
 
 /// What a user must fix in a plan, in words: the app's error, and each cluster's.
 pub type PlanErrors = (Option<String>, Vec<(String, String)>);
@@ -58,6 +61,12 @@ impl Planned {
         self.plan.reported().map(|(c, _)| c)
     }
 
+    /// Whether its status reports on `cluster`.
+    fn reports_on(&self, cluster: &str) -> bool {
+        let p = self.plan.clusters.get(cluster);
+        p.is_some_and(|p| *p != ClusterPlan::Keep(KeepReason::Unplanned))
+    }
+
     /// What a user must fix: the app's error and each cluster's, in words.
     pub fn errors(&self) -> PlanErrors {
         let failed = self
@@ -71,14 +80,20 @@ impl Planned {
     }
 }
 
+type Reports = BTreeMap<String, Report>;
+
 #[derive(Default)]
 struct Board {
-    plans: HashMap<AppKey, Planned>,
-    /// cluster → apps whose plan names it, so that a connect or disconnect finds them
+    plans: HashMap<AppKey, Arc<Planned>>,
+    /// cluster → apps whose plan names it, so that a change of one cluster finds them
     /// without scanning every plan. One shared key per app.
     apps_on: HashMap<String, HashSet<Arc<AppKey>>>,
-    reports: HashMap<AppKey, BTreeMap<String, Report>>,
-    connected: HashSet<String>,
+    reports: HashMap<AppKey, Arc<Reports>>,
+    /// Clusters whose MemberCluster is Ready.
+    reachable: Arc<HashSet<String>>,
+    /// Clusters whose agent has given this hub its reports since it took the lead (the
+    /// agent sends every report before its first heartbeat).
+    heard: Arc<HashSet<String>>,
 }
 
 impl Board {
@@ -91,7 +106,7 @@ impl Board {
                 .or_default()
                 .replace(shared.clone());
         }
-        if let Some(previous) = self.plans.insert(key.clone(), plan) {
+        if let Some(previous) = self.plans.insert(key.clone(), Arc::new(plan)) {
             let now: HashSet<&String> = self.plans[key].clusters().collect();
             let left = previous.clusters().filter(|c| !now.contains(c));
             remove_from(&mut self.apps_on, left, key);
@@ -102,6 +117,11 @@ impl Board {
         if let Some(plan) = self.plans.remove(key) {
             remove_from(&mut self.apps_on, plan.clusters(), key);
         }
+    }
+
+    fn apps_on(&self, cluster: &str) -> Vec<AppKey> {
+        let apps = self.apps_on.get(cluster).into_iter().flatten();
+        apps.map(|k| AppKey::clone(k)).collect()
     }
 }
 
@@ -120,7 +140,31 @@ fn remove_from<'a>(
     }
 }
 
-/// Plans and reports of every app, and the apps whose status must be rewritten.
+/// The inputs of some apps' statuses, copied out of the board (shared, not cloned).
+struct Snapshot {
+    apps: Vec<(AppKey, Arc<Planned>, Option<Arc<Reports>>)>,
+    reachable: Arc<HashSet<String>>,
+    /// Reachable clusters not yet heard from: the apps on them wait.
+    unheard: Vec<String>,
+}
+
+impl Snapshot {
+    /// Whether the app's status waits for an agent's reports.
+    fn waits(&self, planned: &Planned) -> bool {
+        self.unheard.iter().any(|c| planned.reports_on(c))
+    }
+
+    fn inputs<'a>(&'a self, planned: &'a Planned, reports: Option<&'a Reports>) -> Inputs<'a> {
+        Inputs {
+            plan: &planned.plan,
+            deleting_on: planned.deleting_on.as_deref(),
+            reports,
+            reachable: &self.reachable,
+        }
+    }
+}
+
+/// Plans and reports of every app, and the apps whose status must be looked at again.
 #[derive(Default)]
 pub struct StatusBoard {
     board: Mutex<Board>,
@@ -132,7 +176,7 @@ impl StatusBoard {
     /// Event).
     pub fn set_plan(&self, key: &AppKey, plan: Planned) -> bool {
         let mut b = self.board.lock();
-        let before = b.plans.get(key).map(Planned::errors).unwrap_or_default();
+        let before = b.plans.get(key).map(|p| p.errors()).unwrap_or_default();
         let changed = before != plan.errors();
         b.insert_plan(key, plan);
         drop(b);
@@ -146,35 +190,36 @@ impl StatusBoard {
         if reports.get(cluster) == Some(&report) {
             return;
         }
-        reports.insert(cluster.to_owned(), report);
+        Arc::make_mut(reports).insert(cluster.to_owned(), report);
         drop(b);
         self.dirty.mark(key.clone());
     }
 
-    pub fn connected(&self, cluster: &str) {
-        self.connectivity(cluster, true);
-    }
-
-    pub fn disconnected(&self, cluster: &str) {
-        self.connectivity(cluster, false);
-    }
-
-    /// Every app placed on the cluster may read differently now.
-    fn connectivity(&self, cluster: &str, up: bool) {
+    /// The clusters whose MemberCluster is Ready now: the apps on those that changed may
+    /// read differently. A cluster that is no longer reachable must give its reports
+    /// again when it comes back.
+    pub fn set_reachable(&self, ready: HashSet<String>) {
         let mut b = self.board.lock();
-        let changed = if up {
-            b.connected.insert(cluster.to_owned())
-        } else {
-            b.connected.remove(cluster)
-        };
-        if !changed {
+        let changed: Vec<String> = ready.symmetric_difference(&b.reachable).cloned().collect();
+        if changed.is_empty() {
             return;
         }
-        let keys: Vec<AppKey> = b
-            .apps_on
-            .get(cluster)
-            .map(|apps| apps.iter().map(|k| AppKey::clone(k)).collect())
-            .unwrap_or_default();
+        let heard = Arc::make_mut(&mut b.heard);
+        heard.retain(|c| ready.contains(c));
+        b.reachable = Arc::new(ready);
+        let keys: Vec<AppKey> = changed.iter().flat_map(|c| b.apps_on(c)).collect();
+        drop(b);
+        self.dirty.mark_all(keys);
+    }
+
+    /// The cluster's agent has given this hub every report (it heartbeated after them).
+    pub fn heard(&self, cluster: &str) {
+        let mut b = self.board.lock();
+        if b.heard.contains(cluster) {
+            return;
+        }
+        Arc::make_mut(&mut b.heard).insert(cluster.to_owned());
+        let keys = b.apps_on(cluster);
         drop(b);
         self.dirty.mark_all(keys);
     }
@@ -193,38 +238,52 @@ impl StatusBoard {
         self.dirty.forget(key);
     }
 
-    /// The statuses that differ from what the apps show.
-    fn changed(
-        &self,
-        keys: Vec<AppKey>,
-        apps: &Store<FederatedMyApp>,
-    ) -> Vec<(AppKey, FederatedMyAppStatus)> {
-        let now = Time(Timestamp::now());
-        let b = self.board.lock();
-        keys.into_iter()
-            .filter_map(|key| {
-                let planned = b.plans.get(&key)?;
-                let current = apps.get(&ObjectRef::new(&key.name).within(&key.namespace))?;
-                let previous = current.status.as_ref();
-                let inputs = Inputs {
-                    plan: &planned.plan,
-                    deleting_on: planned.deleting_on.as_deref(),
-                    reports: b.reports.get(&key),
-                    connected: &b.connected,
-                };
-                let status = compute(&inputs, previous, &now);
-                (previous != Some(&status)).then_some((key, status))
-            })
-            .collect()
+    /// This hub no longer leads: the sessions it heard are gone, and a later lead starts
+    /// afresh.
+    fn forget_sessions(&self) {
+        let mut b = self.board.lock();
+        b.reports.clear();
+        b.heard = Arc::default();
     }
 
-    /// Patches the status of changed apps, one patch per app per `window`, while this
-    /// hub leads, until `shutdown`. On taking the lead every app is looked at once.
+    fn snapshot(&self, keys: impl IntoIterator<Item = AppKey>) -> Snapshot {
+        let b = self.board.lock();
+        let apps = keys
+            .into_iter()
+            .filter_map(|key| {
+                let planned = b.plans.get(&key)?.clone();
+                let reports = b.reports.get(&key).cloned();
+                Some((key, planned, reports))
+            })
+            .collect();
+        let unheard = b.reachable.iter().filter(|c| !b.heard.contains(*c));
+        Snapshot {
+            apps,
+            unheard: unheard.cloned().collect(),
+            reachable: b.reachable.clone(),
+        }
+    }
+
+    /// The app's status with every cluster listed and every message whole, as this hub
+    /// sees it now (`flotilla-hub status NAME`).
+    pub fn detail(
+        &self,
+        key: &AppKey,
+        apps: &Store<FederatedMyApp>,
+    ) -> Option<FederatedMyAppStatus> {
+        let snapshot = self.snapshot([key.clone()]);
+        let (_, planned, reports) = snapshot.apps.first()?;
+        let current = apps.get(&ObjectRef::new(&key.name).within(&key.namespace));
+        let previous = current.as_ref().and_then(|a| a.status.as_ref());
+        let inputs = snapshot.inputs(planned, reports.as_deref());
+        Some(detail(&inputs, previous, &Time(Timestamp::now())))
+    }
+
+    /// Writes the status of changed apps while this hub leads, until `shutdown`. On
+    /// taking the lead every app is looked at once.
     pub async fn write_loop(
         self: Arc<Self>,
-        client: kube::Client,
-        apps: Store<FederatedMyApp>,
-        window: Duration,
+        writer: StatusWriter,
         mut leading: watch::Receiver<bool>,
         shutdown: CancellationToken,
     ) -> anyhow::Result<()> {
@@ -239,179 +298,182 @@ impl StatusBoard {
                 let _ = leading.wait_for(|l| !*l).await;
             };
             tokio::select! {
-                _ = lost => continue,
-                r = self.write_while_leading(&client, &apps, window, &shutdown) => return r,
+                _ = lost => self.forget_sessions(),
+                r = self.write_while_leading(&writer, &shutdown) => return r,
             }
         }
     }
 
     async fn write_while_leading(
         &self,
-        client: &kube::Client,
-        apps: &Store<FederatedMyApp>,
-        window: Duration,
+        w: &StatusWriter,
         shutdown: &CancellationToken,
     ) -> anyhow::Result<()> {
-        while let Some(keys) = self.dirty.take(window, None, shutdown).await {
-            let patches = self.changed(keys, apps);
-            let board = self;
-            futures::stream::iter(patches)
-                .for_each_concurrent(8, |(key, status)| {
-                    let api: Api<FederatedMyApp> = Api::namespaced(client.clone(), &key.namespace);
-                    async move {
-                        let patch =
-                            Patch::Merge(status_patch(&status, &["clusters", "conditions"]));
-                        match api
-                            .patch_status(&key.name, &PatchParams::default(), &patch)
-                            .await
-                        {
-                            Ok(app) => {
-                                debug!(app = %key, rv = ?app.resource_version(), "status written")
-                            }
-                            Err(kube::Error::Api(e)) if e.code == 404 => {}
-                            Err(e) => {
-                                warn!(app = %key, error = %e, "writing status failed; retrying");
-                                board.dirty.mark(key);
-                            }
-                        }
-                    }
-                })
-                .await;
+        let mut round = Round::new(w);
+        loop {
+            let window = writes::window(w.window, round.backlog);
+            let retry = round.tracker.next(Instant::now());
+            let Some(keys) = self.dirty.take(window, retry, shutdown).await else {
+                return Ok(());
+            };
+            let mut keys: HashSet<AppKey> = keys.into_iter().collect();
+            keys.extend(round.tracker.due(Instant::now()));
+            let due = self.prepare(keys, w, &mut round);
+            round.backlog = due.len();
+            w.metrics.backlog(KIND, due.len());
+            self.send(due, w, &mut round).await;
         }
-        Ok(())
+    }
+
+    /// The patches to send now: each app's status computed outside the board's lock,
+    /// compared with what its cached object shows.
+    fn prepare(
+        &self,
+        keys: HashSet<AppKey>,
+        w: &StatusWriter,
+        round: &mut Round,
+    ) -> Vec<Write<AppKey>> {
+        let now = Instant::now();
+        let snapshot = self.snapshot(keys);
+        let time = Time(Timestamp::now());
+        let mut due = Vec::new();
+        for (key, planned, reports) in &snapshot.apps {
+            if snapshot.waits(planned) {
+                continue;
+            }
+            let Some(current) = w
+                .apps
+                .get(&ObjectRef::new(&key.name).within(&key.namespace))
+            else {
+                continue;
+            };
+            let version = current.resource_version().unwrap_or_default();
+            if !round.tracker.may_write(key, &version, now) {
+                continue;
+            }
+            let previous = current.status.as_ref();
+            let inputs = snapshot.inputs(planned, reports.as_deref());
+            let status = compute(&inputs, previous, &time);
+            let (old, new) = (to_value(previous), to_value(Some(&status)));
+            due.extend(round.tracker.patch(key, &old, &new, &version));
+        }
+        due
+    }
+
+    /// Sends `due` through the budget, a few at a time, and settles each answer.
+    async fn send(&self, due: Vec<Write<AppKey>>, w: &StatusWriter, round: &mut Round) {
+        let (budget, client) = (round.budget.clone(), w.client.clone());
+        let answers: Vec<(Write<AppKey>, writes::Answer)> = futures::stream::iter(due)
+            .then(move |write| {
+                let wait = budget.lock().reserve(Instant::now());
+                async move {
+                    tokio::time::sleep(wait).await;
+                    write
+                }
+            })
+            .map(move |write| {
+                let client = client.clone();
+                async move {
+                    let api: Api<FederatedMyApp> =
+                        Api::namespaced(client.clone(), &write.key.namespace);
+                    let url = api.resource_url();
+                    let answer = writes::send(&client, url, &write.key.name, &write.patch).await;
+                    (write, answer)
+                }
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+        for (write, answer) in answers {
+            let key = write.key.clone();
+            match round.tracker.settle(write, answer, Instant::now()) {
+                Ok(bytes) => {
+                    debug!(app = %key, bytes, "status written");
+                    w.metrics.written(KIND, bytes);
+                }
+                Err((failure, retry_in)) => failed(w, &key, failure, retry_in).await,
+            }
+        }
+    }
+}
+
+/// Says why a write failed (a rejected status once, with an Event).
+async fn failed(w: &StatusWriter, key: &AppKey, failure: Failure, retry_in: Option<Duration>) {
+    w.metrics.result(KIND, failure.label());
+    match failure {
+        Failure::Gone => {}
+        Failure::Conflict => {
+            debug!(app = %key, ?retry_in, "status conflict: the cached app was stale")
+        }
+        Failure::Transient(error) => {
+            warn!(app = %key, %error, ?retry_in, "writing status failed; retrying")
+        }
+        Failure::Rejected(error) => {
+            warn!(app = %key, %error, "the apiserver rejects this status; it is sent again only once it changes");
+            rejected_event(w, key, &error).await;
+        }
+    }
+}
+
+/// A Warning Event on the app whose status the apiserver rejected, once per status.
+async fn rejected_event(w: &StatusWriter, key: &AppKey, error: &str) {
+    let Some(app) = w
+        .apps
+        .get(&ObjectRef::new(&key.name).within(&key.namespace))
+    else {
+        return;
+    };
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "StatusRejected".into(),
+        note: Some(format!(
+            "the apiserver rejected the status Flotilla computed: {error}; it is not sent again until it changes (flotilla-hub status {} -n {} shows it)",
+            key.name, key.namespace
+        )),
+        action: "WriteStatus".into(),
+        secondary: None,
+    };
+    if let Err(e) = w.recorder.publish(&event, &app.object_ref(&())).await {
+        warn!(app = %key, error = %e, "publishing the StatusRejected Event failed");
+    }
+}
+
+fn to_value(status: Option<&FederatedMyAppStatus>) -> Value {
+    status.map_or(Value::Object(Default::default()), |s| {
+        serde_json::to_value(s).expect("a status serializes")
+    })
+}
+
+/// How the FederatedMyApp status writer writes.
+pub struct StatusWriter {
+    pub client: kube::Client,
+    pub apps: Store<FederatedMyApp>,
+    pub recorder: Recorder,
+    pub metrics: WriteMetrics,
+    /// The coalescing window when quiet ([`writes::window`] widens it).
+    pub window: Duration,
+    /// The budget: writes per second on average, and at once.
+    pub rate: f64,
+    pub burst: u32,
+}
+
+/// The writer's memory while this hub leads.
+struct Round {
+    tracker: Tracker<AppKey>,
+    budget: Arc<Mutex<Budget>>,
+    /// Writes in the last round.
+    backlog: usize,
+}
+
+impl Round {
+    fn new(w: &StatusWriter) -> Self {
+        Self {
+            tracker: Tracker::default(),
+            budget: Arc::new(Mutex::new(Budget::new(w.rate, w.burst, Instant::now()))),
+            backlog: 0,
+        }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use flotilla_plan::render::RenderedMyApp;
-    use flotilla_plan::{ClusterPlan, KeepReason};
-    use serde_json::Value;
-
-    fn rendered(hash: &str) -> ClusterPlan {
-        let hash = hash.into();
-        ClusterPlan::Apply(Arc::new(RenderedMyApp {
-            hash,
-            ..Default::default()
-        }))
-    }
-
-    fn plan(entries: &[(&str, ClusterPlan)]) -> Planned {
-        let clusters = entries.iter().map(|(c, p)| (c.to_string(), p.clone()));
-        let plan = AppPlan {
-            clusters: clusters.collect(),
-            ..Default::default()
-        };
-        Planned {
-            plan,
-            deleting_on: None,
-        }
-    }
-
-    #[test]
-    fn plan_error_changes_are_detected_for_events() {
-        let board = StatusBoard::default();
-        let key = AppKey::new("ns", "a");
-        assert!(!board.set_plan(&key, plan(&[("c1", rendered("h1"))])));
-        assert!(
-            !board.set_plan(&key, plan(&[("c1", rendered("h2"))])),
-            "a new hash is not an error"
-        );
-        assert!(board.set_plan(&key, plan(&[("c1", ClusterPlan::Unknown)])));
-        assert!(!board.set_plan(&key, plan(&[("c1", ClusterPlan::Unknown)])));
-    }
-
-    #[test]
-    fn an_empty_cluster_list_is_cleared_by_the_patch() {
-        let planned = plan(&[]);
-        let inputs = Inputs {
-            plan: &planned.plan,
-            deleting_on: None,
-            reports: None,
-            connected: &HashSet::new(),
-        };
-        let s = compute(&inputs, None, &Time(Timestamp::now()));
-        let patch = status_patch(&s, &["clusters", "conditions"]);
-        assert_eq!(patch["status"]["clusters"], Value::Null);
-        assert!(
-            patch["status"]
-                .as_object()
-                .unwrap()
-                .contains_key("clusters")
-        );
-        assert!(patch["status"]["conditions"].is_array());
-    }
-
-    /// A cluster kept only because the app could not be planned is not one its status
-    /// reports on, so its connects and disconnects do not touch the app.
-    #[test]
-    fn the_board_knows_the_apps_on_each_cluster_as_its_plans_name_them() {
-        let board = StatusBoard::default();
-        let (a, b) = (AppKey::new("ns", "a"), AppKey::new("ns", "b"));
-        let failed = || ClusterPlan::Unknown;
-        let check = || {
-            let b = board.board.lock();
-            for cluster in ["c1", "c2", "c3", "c4"] {
-                let scanned: HashSet<&AppKey> = b
-                    .plans
-                    .iter()
-                    .filter(|(_, p)| p.clusters().any(|c| c == cluster))
-                    .map(|(k, _)| k)
-                    .collect();
-                let indexed: HashSet<&AppKey> = b
-                    .apps_on
-                    .get(cluster)
-                    .map(|apps| apps.iter().map(|k| &**k).collect())
-                    .unwrap_or_default();
-                assert_eq!(indexed, scanned, "apps on {cluster}");
-            }
-            assert!(b.apps_on.values().all(|apps| !apps.is_empty()));
-        };
-        board.set_plan(&a, plan(&[("c1", rendered("h")), ("c2", failed())]));
-        board.set_plan(
-            &b,
-            plan(&[
-                ("c2", rendered("h")),
-                ("c3", ClusterPlan::Keep(KeepReason::FailedOver)),
-                ("c4", ClusterPlan::Keep(KeepReason::Unplanned)),
-            ]),
-        );
-        check();
-        assert!(!board.board.lock().apps_on.contains_key("c4"));
-        board.set_plan(&a, plan(&[("c2", rendered("h")), ("c4", rendered("h"))]));
-        check();
-        board.set_plan(&b, plan(&[]));
-        check();
-        board.forget(&a);
-        board.forget(&a);
-        check();
-        assert!(board.board.lock().apps_on.is_empty());
-    }
-
-    #[tokio::test]
-    async fn a_connect_marks_the_apps_placed_on_that_cluster_only() {
-        let board = StatusBoard::default();
-        let (a, b) = (AppKey::new("ns", "a"), AppKey::new("ns", "b"));
-        board.set_plan(&a, plan(&[("c1", rendered("h"))]));
-        board.set_plan(&b, plan(&[("c2", rendered("h"))]));
-        let stop = CancellationToken::new();
-        board.dirty.take(Duration::ZERO, None, &stop).await;
-        board.connected("c1");
-        let marked = board.dirty.take(Duration::ZERO, None, &stop).await;
-        assert_eq!(marked, Some(vec![a]));
-    }
-
-    #[test]
-    fn the_board_tracks_connectivity_and_marks_placed_apps() {
-        let board = StatusBoard::default();
-        let key = AppKey::new("ns", "a");
-        board.set_plan(&key, plan(&[("c1", rendered("h1"))]));
-        board.dirty.forget(&key);
-        board.connected("c1");
-        assert!(board.board.lock().connected.contains("c1"));
-        board.disconnected("c1");
-        board.disconnected("c1");
-        assert!(board.board.lock().connected.is_empty());
-    }
-}
+mod tests;

@@ -6,16 +6,26 @@
 //! the placed clusters whose MyApp is Ready. The division (replicas per cluster and why)
 //! is written in too ([`crate::schedule::annotate`]): the next plan reads it back as the
 //! previous division.
+//!
+//! Bounded whatever the number of clusters ([`compute`]): counts by state, messages cut
+//! at [`CLUSTER_MESSAGE_MAX`] and [`CONDITION_MESSAGE_MAX`] ("… and N more"), every
+//! cluster listed up to [`FULL_LIST_MAX`], past that the [`URGENT_MAX`] most urgent and
+//! the whole division in compact form. [`detail`] is the same fold with nothing left out.
 
 use std::collections::{BTreeMap, HashSet};
 
 use flotilla_crds::condition;
-use flotilla_crds::federated::{ClusterStatus, FederatedMyAppStatus};
+use flotilla_crds::federated::{ClusterStatus, FULL_LIST_MAX, FederatedMyAppStatus, URGENT_MAX};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use crate::index::Held;
 use crate::plan::{AppPlan, ClusterPlan, FAILED_OVER, KeepReason};
 use crate::schedule;
+
+/// A cluster's message in a bounded status is cut to this many bytes.
+pub const CLUSTER_MESSAGE_MAX: usize = 256;
+/// A condition's message in a bounded status is cut to this many bytes.
+pub const CONDITION_MESSAGE_MAX: usize = 1024;
 
 /// What an agent last said about one MyApp: the wire's `StatusReport`, as the hub
 /// reads it.
@@ -75,43 +85,108 @@ impl Reason {
     }
 }
 
+/// How urgent a cluster's entry is, most urgent first: the order a bounded status lists
+/// clusters in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Urgency {
+    Behind(Reason),
+    NotReady,
+    FailedOver,
+    Fine,
+}
+
 /// Everything the status of one app is computed from.
 pub struct Inputs<'a> {
     pub plan: &'a AppPlan,
     /// The app is being deleted and these clusters have not confirmed it.
     pub deleting_on: Option<&'a [String]>,
     pub reports: Option<&'a BTreeMap<String, Report>>,
-    /// Clusters with a live agent session.
-    pub connected: &'a HashSet<String>,
+    /// Clusters whose MemberCluster is Ready (its agent heartbeated within the grace). A
+    /// session that ends does not change it: a reconnect within the grace changes no
+    /// status.
+    pub reachable: &'a HashSet<String>,
 }
+
+/// How much of the fold a status keeps.
+#[derive(Clone, Copy)]
+struct Limits {
+    cluster_message: usize,
+    condition_message: usize,
+    /// Past [`FULL_LIST_MAX`] entries, list the most urgent and the division.
+    bounded_list: bool,
+}
+
+const BOUNDED: Limits = Limits {
+    cluster_message: CLUSTER_MESSAGE_MAX,
+    condition_message: CONDITION_MESSAGE_MAX,
+    bounded_list: true,
+};
+
+const WHOLE: Limits = Limits {
+    cluster_message: usize::MAX,
+    condition_message: usize::MAX,
+    bounded_list: false,
+};
 
 /// The clusters' entries and what they add up to.
 #[derive(Default)]
 struct Tally {
-    clusters: Vec<ClusterStatus>,
+    clusters: Vec<(ClusterStatus, Urgency)>,
     placed: i32,
     ready: i32,
+    applied: i32,
+    failed_over: i32,
     /// (cluster, reason, message) for each cluster not propagated.
     not_propagated: Vec<(String, Reason, String)>,
     /// `cluster: why` for each placed cluster whose MyApp is not Ready.
     not_ready: Vec<String>,
 }
 
-/// The status as a pure function of the inputs; `previous` keeps condition transition
-/// times stable while a condition's status does not change.
+impl Tally {
+    fn count(&self, reason: Reason) -> i32 {
+        self.not_propagated
+            .iter()
+            .filter(|(_, r, _)| *r == reason)
+            .count() as i32
+    }
+}
+
+/// The status as a pure function of the inputs, bounded (see the module's header);
+/// `previous` keeps condition transition times stable while a condition's status does
+/// not change.
 pub fn compute(
     inputs: &Inputs<'_>,
     previous: Option<&FederatedMyAppStatus>,
     now: &Time,
 ) -> FederatedMyAppStatus {
+    fold(inputs, previous, now, BOUNDED)
+}
+
+/// The same fold with every cluster listed and every message whole (what
+/// `flotilla-hub status NAME` shows).
+pub fn detail(
+    inputs: &Inputs<'_>,
+    previous: Option<&FederatedMyAppStatus>,
+    now: &Time,
+) -> FederatedMyAppStatus {
+    fold(inputs, previous, now, WHOLE)
+}
+
+fn fold(
+    inputs: &Inputs<'_>,
+    previous: Option<&FederatedMyAppStatus>,
+    now: &Time,
+    limits: Limits,
+) -> FederatedMyAppStatus {
     let plan = inputs.plan;
-    let tally = tally(inputs);
+    let tally = tally(inputs, limits.cluster_message);
     let cond = |type_: &str, ok: bool, reason: &str, message: String| {
         condition::new(type_, ok, reason, message, plan.generation, now)
     };
-    let propagated = propagated(inputs, &tally, cond);
-    let ready = ready(&tally, cond);
+    let propagated = propagated(inputs, &tally, limits.condition_message, cond);
+    let ready = ready(&tally, limits.condition_message, cond);
     let before: &[Condition] = previous.map_or(&[], |p| &p.conditions);
+    let failed = tally.count(Reason::RenderFailed) + tally.count(Reason::ApplyFailed);
     let mut status = FederatedMyAppStatus {
         observed_generation: plan.generation,
         conditions: [propagated, ready]
@@ -120,16 +195,53 @@ pub fn compute(
             .collect(),
         placed_clusters: tally.placed,
         ready_clusters: tally.ready,
-        clusters: tally.clusters,
+        applied_clusters: tally.applied,
+        pending_clusters: tally.count(Reason::Pending),
+        disconnected_clusters: tally.count(Reason::AgentDisconnected),
+        failed_clusters: failed,
+        failed_over_clusters: tally.failed_over,
+        clusters: tally.clusters.iter().map(|(c, _)| c.clone()).collect(),
         ..Default::default()
     };
     if let Some(schedule) = &plan.schedule {
         schedule::annotate(&mut status, schedule);
     }
+    if limits.bounded_list && status.clusters.len() > FULL_LIST_MAX {
+        let urgency: Vec<Urgency> = tally.clusters.iter().map(|(_, u)| *u).collect();
+        list_most_urgent(&mut status, &urgency);
+    }
     status
 }
 
-fn tally(inputs: &Inputs<'_>) -> Tally {
+/// Keeps the [`URGENT_MAX`] most urgent entries that are not fine (by urgency, then
+/// name) and the whole division beside them.
+fn list_most_urgent(status: &mut FederatedMyAppStatus, urgency: &[Urgency]) {
+    status.division = schedule::division(&status.clusters);
+    let all = std::mem::take(&mut status.clusters);
+    let total = all.len();
+    let mut ranked: Vec<(Urgency, ClusterStatus)> = urgency
+        .iter()
+        .copied()
+        .zip(all)
+        .filter(|(u, _)| *u != Urgency::Fine)
+        .collect();
+    ranked.sort_by(|(ua, a), (ub, b)| ua.cmp(ub).then_with(|| a.name.cmp(&b.name)));
+    ranked.truncate(URGENT_MAX);
+    status.omitted_clusters = (total - ranked.len()) as i32;
+    status.clusters = ranked.into_iter().map(|(_, c)| c).collect();
+}
+
+/// Where one cluster stands.
+enum Standing {
+    /// Not propagated, and why.
+    Behind(Reason, String),
+    /// Propagated, its MyApp not Ready, and why.
+    NotReady(String),
+    FailedOver,
+    Ready,
+}
+
+fn tally(inputs: &Inputs<'_>, message_max: usize) -> Tally {
     let mut tally = Tally::default();
     for (name, planned) in inputs.plan.reported() {
         let report = inputs.reports.and_then(|r| r.get(name));
@@ -141,103 +253,119 @@ fn tally(inputs: &Inputs<'_>) -> Tally {
             entry.ready_replicas = r.ready_replicas;
             entry.observed_generation = Some(r.observed_generation);
         }
-        let problem = match planned {
-            ClusterPlan::Keep(KeepReason::FailedOver) => {
-                entry.message = FAILED_OVER.to_owned();
-                None
-            }
+        let standing = match planned {
+            ClusterPlan::Keep(KeepReason::FailedOver) => Standing::FailedOver,
             ClusterPlan::Apply(rendered) => {
                 tally.placed += 1;
-                let connected = inputs.connected.contains(name);
-                applied(&mut tally, &mut entry, &rendered.hash, connected, report)
+                let reachable = inputs.reachable.contains(name);
+                standing(&rendered.hash, reachable, report)
             }
-            failed => failed
-                .error()
-                .map(|message| (Reason::RenderFailed, message)),
+            failed => Standing::Behind(Reason::RenderFailed, failed.error().unwrap_or_default()),
         };
-        if let Some((reason, message)) = problem {
-            entry.message = message.clone();
-            tally.not_propagated.push((name.clone(), reason, message));
-        }
-        tally.clusters.push(entry);
+        let urgency = match standing {
+            Standing::Behind(reason, message) => {
+                entry.message = cut(message, message_max);
+                let listed = (name.clone(), reason, entry.message.clone());
+                tally.not_propagated.push(listed);
+                Urgency::Behind(reason)
+            }
+            Standing::NotReady(why) => {
+                tally.applied += 1;
+                entry.message = cut(why, message_max);
+                tally.not_ready.push(format!("{name}: {}", entry.message));
+                Urgency::NotReady
+            }
+            Standing::FailedOver => {
+                tally.failed_over += 1;
+                entry.message = FAILED_OVER.to_owned();
+                Urgency::FailedOver
+            }
+            Standing::Ready => {
+                (tally.applied, tally.ready) = (tally.applied + 1, tally.ready + 1);
+                entry.ready = true;
+                Urgency::Fine
+            }
+        };
+        tally.clusters.push((entry, urgency));
     }
     tally
 }
 
-/// A cluster that should run the MyApp with `hash`: why it is not propagated, if it is
-/// not; else whether it is Ready.
-fn applied(
-    tally: &mut Tally,
-    entry: &mut ClusterStatus,
-    hash: &str,
-    connected: bool,
-    report: Option<&Report>,
-) -> Option<(Reason, String)> {
+/// A cluster that should run the MyApp with `hash`, as its agent's report shows it.
+fn standing(hash: &str, reachable: bool, report: Option<&Report>) -> Standing {
     match report {
-        _ if !connected => Some((
+        _ if !reachable => Standing::Behind(
             Reason::AgentDisconnected,
-            "the cluster's agent is not connected; its last applied MyApp keeps running".to_owned(),
-        )),
+            "the cluster's agent has not heartbeated within the grace period (MemberCluster NotReady); its last applied MyApp keeps running".to_owned(),
+        ),
         Some(Report {
             apply_error: Some(e),
             ..
-        }) => Some((
+        }) => Standing::Behind(
             Reason::ApplyFailed,
             format!("applying the MyApp failed (the agent retries): {e}"),
-        )),
+        ),
         Some(r) if r.exists && r.hash == hash => {
-            entry.ready = r.ready && r.observed_generation >= r.generation;
-            if entry.ready {
-                tally.ready += 1;
+            if r.ready && r.observed_generation >= r.generation {
+                Standing::Ready
             } else {
-                entry.message = r.not_ready_reason();
-                tally
-                    .not_ready
-                    .push(format!("{}: {}", entry.name, entry.message));
+                Standing::NotReady(r.not_ready_reason())
             }
-            None
         }
-        _ => Some((
+        _ => Standing::Behind(
             Reason::Pending,
             "waiting for the agent to apply the latest version".to_owned(),
-        )),
+        ),
     }
 }
 
 fn propagated(
     inputs: &Inputs<'_>,
     tally: &Tally,
+    max: usize,
     cond: impl Fn(&str, bool, &str, String) -> Condition,
 ) -> Condition {
     match (&inputs.plan.placement_error, inputs.deleting_on) {
-        (_, Some(waiting)) => cond(
+        (_, Some(waiting)) => {
+            let names = if waiting.is_empty() {
+                "no cluster".to_owned()
+            } else {
+                join_capped(waiting.to_vec(), ", ", max)
+            };
+            let message = format!("waiting for {names} to confirm deletion");
+            cond("Propagated", false, "Deleting", message)
+        }
+        (Some(e), _) => cond(
             "Propagated",
             false,
-            "Deleting",
-            format!("waiting for {} to confirm deletion", list_or_none(waiting)),
+            "InvalidPlacement",
+            cut(e.to_string(), max),
         ),
-        (Some(e), _) => cond("Propagated", false, "InvalidPlacement", e.to_string()),
-        (None, None) => match tally.not_propagated.iter().map(|(_, r, _)| *r).min() {
-            None => cond(
-                "Propagated",
-                true,
-                "Propagated",
-                format!("applied on {} cluster(s)", tally.placed),
-            ),
-            Some(reason) => {
-                let message = tally
-                    .not_propagated
-                    .iter()
-                    .map(|(c, _, m)| format!("{c}: {m}"))
-                    .collect::<Vec<_>>()
-                    .join("; ");
-                cond("Propagated", false, reason.as_str(), message)
+        (None, None) => {
+            let mut behind: Vec<&(String, Reason, String)> = tally.not_propagated.iter().collect();
+            behind.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
+            match behind.first() {
+                None => cond(
+                    "Propagated",
+                    true,
+                    "Propagated",
+                    format!("applied on {} cluster(s)", tally.placed),
+                ),
+                Some((_, reason, _)) => {
+                    let each = behind.iter().map(|(c, _, m)| format!("{c}: {m}"));
+                    let message = join_capped(each.collect(), "; ", max);
+                    cond("Propagated", false, reason.as_str(), message)
+                }
             }
-        },
+        }
     }
 }
 
-fn ready(tally: &Tally, cond: impl Fn(&str, bool, &str, String) -> Condition) -> Condition {
+fn ready(
+    tally: &Tally,
+    max: usize,
+    cond: impl Fn(&str, bool, &str, String) -> Condition,
+) -> Condition {
     let (placed, ready_count) = (tally.placed, tally.ready);
     if placed == 0 {
         cond(
@@ -254,21 +382,52 @@ fn ready(tally: &Tally, cond: impl Fn(&str, bool, &str, String) -> Condition) ->
             format!("ready on all {placed} cluster(s)"),
         )
     } else {
-        let mut message = format!("{ready_count} of {placed} cluster(s) ready");
-        if !tally.not_ready.is_empty() {
-            message = format!("{message}; {}", tally.not_ready.join("; "));
-        }
+        let head = format!("{ready_count} of {placed} cluster(s) ready");
+        let mut each = vec![head];
+        each.extend(tally.not_ready.iter().cloned());
+        let message = join_capped(each, "; ", max);
         cond("Ready", false, "NotReady", message)
     }
 }
 
-fn list_or_none(names: &[String]) -> String {
-    if names.is_empty() {
-        "no cluster".into()
-    } else {
-        names.join(", ")
+/// `items` joined with `sep` within `max` bytes: the first items that fit, then
+/// "… and N more" (the first item is always there, cut if it must be).
+fn join_capped(items: Vec<String>, sep: &str, max: usize) -> String {
+    let total = items.len();
+    let tail = |n: usize| format!("{sep}… and {n} more");
+    let mut out = String::new();
+    for (i, item) in items.into_iter().enumerate() {
+        let after = total - i - 1;
+        let reserve = if after > 0 { tail(after).len() } else { 0 };
+        if i > 0 {
+            if out.len() + sep.len() + item.len() + reserve > max {
+                out.push_str(&tail(after + 1));
+                break;
+            }
+            out.push_str(sep);
+        }
+        let room = max.saturating_sub(out.len() + reserve);
+        out.push_str(&cut(item, room));
     }
+    out
 }
+
+/// `s` cut to at most `max` bytes on a character boundary, ending in "…" when cut.
+fn cut(mut s: String, max: usize) -> String {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max.saturating_sub('…'.len_utf8());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s.truncate(end);
+    s.push('…');
+    s
+}
+
+#[cfg(test)]
+mod bounded;
 
 #[cfg(test)]
 mod tests {
@@ -329,18 +488,18 @@ mod tests {
         }
     }
 
-    fn run(plan: &AppPlan, reports: &[(&str, Report)], connected: &[&str]) -> FederatedMyAppStatus {
+    fn run(plan: &AppPlan, reports: &[(&str, Report)], reachable: &[&str]) -> FederatedMyAppStatus {
         let reports: BTreeMap<String, Report> = reports
             .iter()
             .map(|(c, r)| ((*c).into(), r.clone()))
             .collect();
-        let connected = connected.iter().map(|c| c.to_string()).collect();
+        let reachable = reachable.iter().map(|c| c.to_string()).collect();
         compute(
             &Inputs {
                 plan,
                 deleting_on: None,
                 reports: Some(&reports),
-                connected: &connected,
+                reachable: &reachable,
             },
             None,
             &now(),
@@ -468,7 +627,11 @@ mod tests {
             &[("c1", report("h1", true, 3)), ("c2", failed)],
             &["c2"],
         );
-        assert!(s.clusters[0].message.contains("agent is not connected"));
+        assert!(
+            s.clusters[0]
+                .message
+                .contains("not heartbeated within the grace")
+        );
         assert!(s.clusters[1].message.contains("admission webhook denied"));
         assert_eq!(cond(&s, "Propagated").reason, "ApplyFailed");
     }
@@ -520,12 +683,12 @@ mod tests {
         let first = run(&p, &[("c1", report("h1", true, 3))], &["c1"]);
         let later = Time(Timestamp::from_second(1_800_000_000).unwrap());
         let reports: BTreeMap<String, Report> = [("c1".to_owned(), report("h1", true, 3))].into();
-        let connected: HashSet<String> = ["c1".to_owned()].into();
+        let reachable: HashSet<String> = ["c1".to_owned()].into();
         let inputs = Inputs {
             plan: &p,
             deleting_on: None,
             reports: Some(&reports),
-            connected: &connected,
+            reachable: &reachable,
         };
         let again = compute(&inputs, Some(&first), &later);
         assert_eq!(again, first, "nothing changed, so nothing to write");
@@ -534,7 +697,7 @@ mod tests {
                 plan: &p,
                 deleting_on: None,
                 reports: None,
-                connected: &connected,
+                reachable: &reachable,
             },
             Some(&first),
             &later,

@@ -27,7 +27,10 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use flotilla_crds::FederatedMyApp;
-use flotilla_crds::federated::{FederatedMyAppStatus, Placement, SchedulingMode, SchedulingReason};
+use flotilla_crds::federated::{
+    ClusterStatus, DivisionGroup, FederatedMyAppStatus, Placement, SchedulingMode,
+    SchedulingReason, encode_names,
+};
 use flotilla_crds::member::Resources;
 
 use crate::placement::Members;
@@ -52,12 +55,10 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(300);
 pub const SURPLUS_RECHECK: Duration = Duration::from_secs(5);
 /// A replica without requests counts as requesting what the kube-scheduler assumes for
 /// scoring (its non-zero defaults: 100m CPU, 200 MiB).
-pub const DEFAULT_REQUEST: Resources = Resources {
-    cpu_millis: 100,
-    memory_bytes: 200 * 1024 * 1024,
-};
+pub use flotilla_crds::member::DEFAULT_REQUEST;
 
-/// What the previous division left on one cluster, from `status.clusters[]`.
+/// What the previous division left on one cluster, from `status.clusters[]` or
+/// `status.division`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Previous {
     pub replicas: u32,
@@ -65,14 +66,20 @@ pub struct Previous {
     pub reason: Option<SchedulingReason>,
 }
 
-/// The previous division as the status shows it. An entry written before scheduling
-/// existed (no `replicas`) counts as running what it reports ready and at least one, so
-/// that an upgrade does not read a cordoned cluster as empty.
+/// The previous division as the status shows it: `status.division` when the status
+/// lists only some clusters (`omittedClusters` > 0), else every `status.clusters[]`
+/// entry. An entry written before scheduling existed (no `replicas`) counts as running
+/// what it reports ready and at least one, so that an upgrade does not read a cordoned
+/// cluster as empty. A division entry that does not decode is left out.
 pub fn previous(status: Option<&FederatedMyAppStatus>) -> BTreeMap<String, Previous> {
-    let clamp = |n: i32| u32::try_from(n).unwrap_or(0).min(MAX_PER_CLUSTER);
+    let Some(status) = status else {
+        return BTreeMap::new();
+    };
+    if status.omitted_clusters > 0 {
+        return from_division(&status.division);
+    }
     status
-        .map(|s| s.clusters.as_slice())
-        .unwrap_or_default()
+        .clusters
         .iter()
         .map(|c| {
             let prev = Previous {
@@ -81,6 +88,59 @@ pub fn previous(status: Option<&FederatedMyAppStatus>) -> BTreeMap<String, Previ
                 reason: c.scheduling_reason,
             };
             (c.name.clone(), prev)
+        })
+        .collect()
+}
+
+fn clamp(n: i32) -> u32 {
+    u32::try_from(n).unwrap_or(0).min(MAX_PER_CLUSTER)
+}
+
+fn from_division(groups: &[DivisionGroup]) -> BTreeMap<String, Previous> {
+    let mut out = BTreeMap::new();
+    for g in groups {
+        let prev = Previous {
+            replicas: clamp(g.replicas),
+            ready_replicas: clamp(g.ready_replicas),
+            reason: g.reason,
+        };
+        // A hand-edited entry that does not decode loses that group only.
+        for name in g.cluster_names().unwrap_or_default() {
+            out.insert(name, prev.clone());
+        }
+    }
+    out
+}
+
+/// The whole division as [`previous`] reads it back, from the status entries of every
+/// scheduled cluster (the ones [`annotate`] gave `replicas`), grouped by assignment.
+/// Entries that read as nothing (no replicas, none ready, no failover mark) are left out:
+/// [`previous`] gives the same for a cluster it does not find.
+pub fn division(clusters: &[ClusterStatus]) -> Vec<DivisionGroup> {
+    type Assigned = (i32, i32, Option<SchedulingReason>);
+    let mut groups: BTreeMap<Assigned, Vec<&str>> = BTreeMap::new();
+    for c in clusters {
+        let Some(replicas) = c.replicas else { continue };
+        let marked = matches!(
+            c.scheduling_reason,
+            Some(SchedulingReason::FailedOver | SchedulingReason::Recovered)
+        );
+        if replicas <= 0 && c.ready_replicas <= 0 && !marked {
+            continue;
+        }
+        let key = (replicas, c.ready_replicas, c.scheduling_reason);
+        groups.entry(key).or_default().push(&c.name);
+    }
+    groups
+        .into_iter()
+        .map(|((replicas, ready_replicas, reason), mut names)| {
+            names.sort_unstable();
+            DivisionGroup {
+                replicas,
+                ready_replicas,
+                reason,
+                clusters: encode_names(names),
+            }
         })
         .collect()
 }

@@ -49,3 +49,52 @@ fn annotate_fills_each_cluster_and_the_totals() {
     assert_eq!(status.clusters[0].replicas, Some(6));
     assert_eq!(status.clusters[1].scheduling_reason, Some(Weight));
 }
+
+/// A status that lists only some clusters carries the whole division: it is what the
+/// next plan reads (an old hub's full list is read as before).
+#[test]
+fn previous_reads_the_division_when_the_list_is_partial() {
+    let status: FederatedMyAppStatus = serde_yaml::from_str(
+        "omittedClusters: 60\nclusters:\n- {name: c9, replicas: 9, readyReplicas: 9}\n\
+         division:\n- {replicas: 2, readyReplicas: 1, reason: Weight, clusters: 'c01,2:2'}\n\
+         - {replicas: 3, readyReplicas: 0, reason: FailedOver, clusters: x}\n\
+         - {replicas: 5, clusters: 'y,7:z'}\n",
+    )
+    .unwrap();
+    let p = previous(Some(&status));
+    let weight = Previous {
+        replicas: 2,
+        ready_replicas: 1,
+        reason: Some(Weight),
+    };
+    assert_eq!(p["c01"], weight);
+    assert_eq!(p["c02"], weight);
+    assert_eq!(p["x"].reason, Some(FailedOver));
+    assert!(
+        !p.contains_key("c9"),
+        "the listed clusters are in the division or hold nothing"
+    );
+    assert!(
+        !p.contains_key("y"),
+        "a group that does not decode is left out"
+    );
+    assert_eq!(p.len(), 3);
+}
+
+#[test]
+fn the_division_groups_clusters_by_assignment_and_leaves_out_empty_ones() {
+    let status: FederatedMyAppStatus = serde_yaml::from_str(
+        "clusters:\n- {name: b, replicas: 2, readyReplicas: 2, schedulingReason: Weight}\n\
+         - {name: a, replicas: 2, readyReplicas: 2, schedulingReason: Weight}\n\
+         - {name: c, replicas: 0, schedulingReason: Spread}\n\
+         - {name: d, replicas: 0, schedulingReason: Recovered}\n\
+         - {name: unknown, readyReplicas: 0}\n",
+    )
+    .unwrap();
+    let groups = division(&status.clusters);
+    let shown: Vec<(i32, Option<SchedulingReason>, &str)> = groups
+        .iter()
+        .map(|g| (g.replicas, g.reason, g.clusters.as_str()))
+        .collect();
+    assert_eq!(shown, [(0, Some(Recovered), "d"), (2, Some(Weight), "a,b")]);
+}

@@ -1,0 +1,317 @@
+use super::*;
+use flotilla_plan::render::RenderedMyApp;
+use kube::runtime::{reflector, watcher};
+
+fn rendered(hash: &str) -> ClusterPlan {
+    let hash = hash.into();
+    ClusterPlan::Apply(Arc::new(RenderedMyApp {
+        hash,
+        ..Default::default()
+    }))
+}
+
+fn plan(entries: &[(&str, ClusterPlan)]) -> Planned {
+    let clusters = entries.iter().map(|(c, p)| (c.to_string(), p.clone()));
+    let plan = AppPlan {
+        clusters: clusters.collect(),
+        ..Default::default()
+    };
+    Planned {
+        plan,
+        deleting_on: None,
+    }
+}
+
+fn ready(hash: &str) -> Report {
+    Report {
+        hash: hash.into(),
+        exists: true,
+        ready: true,
+        ready_replicas: 1,
+        observed_generation: 1,
+        generation: 1,
+        ..Default::default()
+    }
+}
+
+fn set(names: &[&str]) -> HashSet<String> {
+    names.iter().map(|c| c.to_string()).collect()
+}
+
+/// The keys marked by now.
+async fn marked(board: &StatusBoard) -> Vec<AppKey> {
+    let stop = CancellationToken::new();
+    let mut keys = board
+        .dirty
+        .take(Duration::ZERO, Some(Duration::from_millis(1)), &stop)
+        .await
+        .unwrap();
+    keys.sort();
+    keys
+}
+
+/// A writer over a store holding `apps` (its client reaches nothing: these tests look at
+/// what it would send, not at an apiserver).
+fn writer(apps: Vec<FederatedMyApp>) -> StatusWriter {
+    let (store, mut w) = reflector::store::<FederatedMyApp>();
+    w.apply_watcher_event(&watcher::Event::Init);
+    for app in apps {
+        w.apply_watcher_event(&watcher::Event::InitApply(app));
+    }
+    w.apply_watcher_event(&watcher::Event::InitDone);
+    let client =
+        kube::Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap())).unwrap();
+    StatusWriter {
+        client: client.clone(),
+        apps: store,
+        recorder: Recorder::new(client, "flotilla-hub-test".into()),
+        metrics: WriteMetrics::default(),
+        window: Duration::from_millis(200),
+        rate: 50.0,
+        burst: 100,
+    }
+}
+
+fn app(name: &str, version: &str, status: Option<FederatedMyAppStatus>) -> FederatedMyApp {
+    let mut app: FederatedMyApp = serde_json::from_value(serde_json::json!({
+        "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+        "metadata": {"name": name, "namespace": "ns", "resourceVersion": version},
+        "spec": {},
+    }))
+    .unwrap();
+    app.status = status;
+    app
+}
+
+/// What the writer computes for `key` now over what the app shows (`previous`).
+fn computed(
+    board: &StatusBoard,
+    key: &AppKey,
+    previous: Option<&FederatedMyAppStatus>,
+) -> FederatedMyAppStatus {
+    let snapshot = board.snapshot([key.clone()]);
+    let (_, planned, reports) = &snapshot.apps[0];
+    let inputs = snapshot.inputs(planned, reports.as_deref());
+    compute(&inputs, previous, &Time(Timestamp::now()))
+}
+
+#[test]
+fn plan_error_changes_are_detected_for_events() {
+    let board = StatusBoard::default();
+    let key = AppKey::new("ns", "a");
+    assert!(!board.set_plan(&key, plan(&[("c1", rendered("h1"))])));
+    assert!(
+        !board.set_plan(&key, plan(&[("c1", rendered("h2"))])),
+        "a new hash is not an error"
+    );
+    assert!(board.set_plan(&key, plan(&[("c1", ClusterPlan::Unknown)])));
+    assert!(!board.set_plan(&key, plan(&[("c1", ClusterPlan::Unknown)])));
+}
+
+/// A cluster kept only because the app could not be planned is not one its status
+/// reports on, so changes of that cluster do not touch the app.
+#[test]
+fn the_board_knows_the_apps_on_each_cluster_as_its_plans_name_them() {
+    let board = StatusBoard::default();
+    let (a, b) = (AppKey::new("ns", "a"), AppKey::new("ns", "b"));
+    let failed = || ClusterPlan::Unknown;
+    let check = || {
+        let b = board.board.lock();
+        for cluster in ["c1", "c2", "c3", "c4"] {
+            let scanned: HashSet<&AppKey> = b
+                .plans
+                .iter()
+                .filter(|(_, p)| p.clusters().any(|c| c == cluster))
+                .map(|(k, _)| k)
+                .collect();
+            let indexed: HashSet<&AppKey> = b
+                .apps_on
+                .get(cluster)
+                .map(|apps| apps.iter().map(|k| &**k).collect())
+                .unwrap_or_default();
+            assert_eq!(indexed, scanned, "apps on {cluster}");
+        }
+        assert!(b.apps_on.values().all(|apps| !apps.is_empty()));
+    };
+    board.set_plan(&a, plan(&[("c1", rendered("h")), ("c2", failed())]));
+    board.set_plan(
+        &b,
+        plan(&[
+            ("c2", rendered("h")),
+            ("c3", ClusterPlan::Keep(KeepReason::FailedOver)),
+            ("c4", ClusterPlan::Keep(KeepReason::Unplanned)),
+        ]),
+    );
+    check();
+    assert!(!board.board.lock().apps_on.contains_key("c4"));
+    board.set_plan(&a, plan(&[("c2", rendered("h")), ("c4", rendered("h"))]));
+    check();
+    board.set_plan(&b, plan(&[]));
+    check();
+    board.forget(&a);
+    board.forget(&a);
+    check();
+    assert!(board.board.lock().apps_on.is_empty());
+}
+
+/// Only a MemberCluster's readiness changes what "connected" means to a status: the apps
+/// on a cluster that turns NotReady (or Ready) are looked at again, the others are not.
+#[tokio::test]
+async fn readiness_marks_the_apps_on_the_clusters_that_changed_only() {
+    let board = StatusBoard::default();
+    let (a, b) = (AppKey::new("ns", "a"), AppKey::new("ns", "b"));
+    board.set_plan(&a, plan(&[("c1", rendered("h"))]));
+    board.set_plan(&b, plan(&[("c2", rendered("h"))]));
+    marked(&board).await;
+    board.set_reachable(set(&["c1", "c2"]));
+    assert_eq!(marked(&board).await, [a.clone(), b.clone()]);
+    board.set_reachable(set(&["c1", "c2"]));
+    assert!(marked(&board).await.is_empty(), "no change, no mark");
+    board.set_reachable(set(&["c2"]));
+    assert_eq!(marked(&board).await, [a]);
+}
+
+/// DESIGN rule 7: a session that ends and returns within the grace writes nothing. The
+/// server tells the board nothing of sessions; the reports stay, the cluster stays
+/// reachable, and the status computed before and after is the same.
+#[tokio::test]
+async fn a_session_that_returns_within_the_grace_changes_no_status() {
+    let board = StatusBoard::default();
+    let key = AppKey::new("ns", "a");
+    board.set_plan(&key, plan(&[("c1", rendered("h")), ("c2", rendered("h"))]));
+    board.set_reachable(set(&["c1", "c2"]));
+    for c in ["c1", "c2"] {
+        board.heard(c);
+        board.report(c, &key, ready("h"));
+    }
+    let before = computed(&board, &key, None);
+    marked(&board).await;
+    // The agent of c1 reconnects (to this hub or a new leader's board, which hears it
+    // again) and sends the same reports.
+    board.report("c1", &key, ready("h"));
+    board.heard("c1");
+    assert!(marked(&board).await.is_empty(), "nothing changed");
+    assert_eq!(computed(&board, &key, Some(&before)), before);
+    // Past the grace, the MemberCluster turns NotReady: now the status changes.
+    board.set_reachable(set(&["c2"]));
+    assert_eq!(marked(&board).await, std::slice::from_ref(&key));
+    let after = computed(&board, &key, Some(&before));
+    assert_eq!(after.disconnected_clusters, 1);
+}
+
+/// A hub that takes the lead has heard no agent: an app on a reachable cluster waits for
+/// that agent's reports instead of writing "Pending"; clusters NotReady do not hold it.
+#[tokio::test]
+async fn a_new_leader_writes_an_app_only_once_its_agents_reported() {
+    let board = StatusBoard::default();
+    let (a, b) = (AppKey::new("ns", "a"), AppKey::new("ns", "b"));
+    board.set_plan(&a, plan(&[("c1", rendered("h")), ("c2", rendered("h"))]));
+    board.set_plan(&b, plan(&[("c3", rendered("h"))]));
+    board.set_reachable(set(&["c1", "c2"]));
+    let waits = |key: &AppKey| {
+        let s = board.snapshot([key.clone()]);
+        s.waits(&s.apps[0].1)
+    };
+    assert!(waits(&a));
+    assert!(!waits(&b), "c3 is NotReady: its apps show it at once");
+    board.heard("c1");
+    assert!(waits(&a), "c2 not heard yet");
+    marked(&board).await;
+    board.heard("c2");
+    assert!(!waits(&a));
+    assert_eq!(
+        marked(&board).await,
+        std::slice::from_ref(&a),
+        "hearing a cluster marks its apps"
+    );
+    // A cluster that turns NotReady must be heard again when it is back.
+    board.set_reachable(set(&["c1"]));
+    board.set_reachable(set(&["c1", "c2"]));
+    assert!(waits(&a));
+    // Losing the lead forgets what was heard.
+    board.heard("c2");
+    board.forget_sessions();
+    assert!(waits(&a));
+}
+
+/// The writer sends a merge patch of what changed, guarded by the cached version; then
+/// nothing while nothing changes; nothing against a cache that has not seen its write;
+/// and a rejected status not again.
+#[tokio::test]
+async fn the_writer_patches_changes_only_against_a_current_cache() {
+    let key = AppKey::new("ns", "a");
+    let board = StatusBoard::default();
+    board.set_plan(&key, plan(&[("c1", rendered("h"))]));
+    let w = writer(vec![app("a", "10", None)]);
+    let mut round = Round::new(&w);
+    let keys = || HashSet::from([key.clone()]);
+    let mut first = board.prepare(keys(), &w, &mut round);
+    assert_eq!(first.len(), 1);
+    let patch = &first[0].patch;
+    assert_eq!(patch["metadata"]["resourceVersion"], "10");
+    assert_eq!(patch["status"]["disconnectedClusters"], 1);
+    // Written (10 → 11), but the cache still shows 10: nothing is computed against it.
+    let now = Instant::now();
+    let written = round
+        .tracker
+        .settle(first.remove(0), Ok(("11".into(), 1)), now);
+    assert_eq!(written, Ok(1));
+    assert!(board.prepare(keys(), &w, &mut round).is_empty());
+    assert!(round.tracker.next(now).is_some(), "looked at again soon");
+    // The cache shows the write: nothing changed, nothing to send.
+    let shown = computed(&board, &key, None);
+    let w = writer(vec![app("a", "11", Some(shown))]);
+    let mut round = Round::new(&w);
+    assert!(board.prepare(keys(), &w, &mut round).is_empty());
+    // A report changes one cluster: only what changed is sent.
+    board.set_reachable(set(&["c1"]));
+    board.heard("c1");
+    board.report("c1", &key, ready("h"));
+    let mut due = board.prepare(keys(), &w, &mut round);
+    let status = due[0].patch["status"].as_object().unwrap();
+    assert!(status.contains_key("readyClusters") && status.contains_key("clusters"));
+    assert_eq!(
+        status["disconnectedClusters"],
+        Value::Null,
+        "a count back to 0 is removed"
+    );
+    assert!(
+        !status.contains_key("observedGeneration"),
+        "unchanged fields are not sent"
+    );
+    // Rejected: not sent again until it changes.
+    let invalid = kube::Error::Api(
+        kube::core::Status::failure("too long", "Invalid")
+            .with_code(422)
+            .boxed(),
+    );
+    let answer = round
+        .tracker
+        .settle(due.remove(0), Err(invalid), Instant::now());
+    assert!(matches!(answer, Err((Failure::Rejected(_), None))));
+    assert!(board.prepare(keys(), &w, &mut round).is_empty());
+}
+
+#[tokio::test]
+async fn a_failing_app_waits_for_its_backoff() {
+    let key = AppKey::new("ns", "a");
+    let board = StatusBoard::default();
+    board.set_plan(&key, plan(&[("c1", rendered("h"))]));
+    let w = writer(vec![app("a", "10", None)]);
+    let mut round = Round::new(&w);
+    let keys = || HashSet::from([key.clone()]);
+    let mut due = board.prepare(keys(), &w, &mut round);
+    let busy = kube::Error::Api(
+        kube::core::Status::failure("busy", "")
+            .with_code(503)
+            .boxed(),
+    );
+    let now = Instant::now();
+    let answer = round.tracker.settle(due.remove(0), Err(busy), now);
+    assert!(matches!(answer, Err((Failure::Transient(_), Some(_)))));
+    assert!(
+        board.prepare(keys(), &w, &mut round).is_empty(),
+        "backing off"
+    );
+    assert_eq!(round.tracker.due(now + writes::RETRY_FIRST), [key]);
+}
