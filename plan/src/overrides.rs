@@ -5,6 +5,8 @@
 //! `add` needs an existing parent and appends to arrays with `-`. Errors name the field
 //! of the FederatedMyApp that holds the operation, the op and the path.
 
+use std::collections::HashMap;
+
 use flotilla_crds::federated::{ClusterOverride, ClusterOverrides, OverrideOp};
 use json_patch::PatchOperation;
 use jsonptr::Pointer;
@@ -65,6 +67,22 @@ pub fn for_cluster<'a>(all: &'a [ClusterOverrides], cluster: &str) -> Vec<Locate
                 .map(move |(inner, op)| Located { outer, inner, op })
         })
         .collect()
+}
+
+/// [`for_cluster`] for every named cluster at once, in one pass over the overrides
+/// rather than one per placed cluster.
+pub fn by_cluster(all: &[ClusterOverrides]) -> HashMap<&str, Vec<Located<'_>>> {
+    let mut by: HashMap<&str, Vec<Located<'_>>> = HashMap::new();
+    for (outer, o) in all.iter().enumerate() {
+        let ops = by.entry(o.cluster_name.as_str()).or_default();
+        ops.extend(
+            o.cluster_overrides
+                .iter()
+                .enumerate()
+                .map(|(inner, op)| Located { outer, inner, op }),
+        );
+    }
+    by
 }
 
 /// Applies the operations to `doc` one by one; stops at the first failure.
@@ -335,6 +353,14 @@ mod tests {
         let mut d = doc();
         apply(&mut d, &ops).unwrap();
         assert_eq!(d["spec"]["replicas"], 6);
+        // All clusters at once say the same, entry for entry.
+        let by = by_cluster(&all);
+        assert_eq!(by.len(), 2);
+        for (cluster, ops) in by {
+            let one = for_cluster(&all, cluster);
+            let fields = |l: &[Located<'_>]| l.iter().map(Located::field).collect::<Vec<_>>();
+            assert_eq!(fields(&ops), fields(&one), "{cluster}");
+        }
     }
 
     #[test]

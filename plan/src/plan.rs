@@ -14,8 +14,10 @@ use std::sync::Arc;
 use flotilla_crds::FederatedMyApp;
 use flotilla_crds::federated::SchedulingReason;
 
+use serde_json::Value;
+
 use crate::index::Desired;
-use crate::overrides;
+use crate::overrides::{self, Located};
 use crate::placement::{self, Decision, Members, SelectorError};
 use crate::render::{RenderError, RenderedMyApp, Template};
 use crate::schedule::{self, Schedule, ScheduleError};
@@ -154,8 +156,8 @@ fn place_and_schedule(
     Ok((decision, schedule))
 }
 
-/// Renders each placed cluster that runs replicas. Clusters that render the same bytes
-/// share one copy (and hash): one per distinct content, not one per cluster.
+/// Renders each placed cluster that runs replicas, once per class of clusters that
+/// render alike ([`Classes`]): most clusters have no override, so most share one render.
 fn placed(
     app: &FederatedMyApp,
     decision: Decision,
@@ -164,7 +166,8 @@ fn placed(
 ) -> AppPlan {
     let warnings = unplaced_overrides(app, &decision.clusters);
     let template = Template::of(app);
-    let mut distinct: HashMap<String, Arc<RenderedMyApp>> = HashMap::new();
+    let ops_by_cluster = overrides::by_cluster(&app.spec.overrides);
+    let mut classes = Classes::default();
     let mut clusters = BTreeMap::new();
     for cluster in &decision.clusters {
         let Some(assigned) = schedule.clusters.get_mut(cluster) else {
@@ -177,18 +180,16 @@ fn placed(
         if assigned.replicas == 0 {
             continue;
         }
-        let ops = overrides::for_cluster(&app.spec.overrides, cluster);
+        let ops = ops_by_cluster
+            .get(cluster.as_str())
+            .map_or(&[][..], Vec::as_slice);
         let replicas = schedule.divided.then_some(assigned.replicas);
-        let planned = match template.render(&ops, replicas) {
-            Ok(r) => {
+        let planned = match classes.render(&template, ops, replicas) {
+            Ok((rendered, asked)) => {
                 if !schedule.divided {
-                    let asked = r.to_value()["spec"]["replicas"].as_u64().unwrap_or(1);
-                    assigned.replicas = asked as u32;
+                    assigned.replicas = asked;
                 }
-                let shared = distinct
-                    .entry(r.hash.clone())
-                    .or_insert_with(|| Arc::new(r));
-                ClusterPlan::Apply(shared.clone())
+                ClusterPlan::Apply(rendered)
             }
             Err(e) => ClusterPlan::Keep(KeepReason::RenderFailed(Box::new(e))),
         };
@@ -203,6 +204,66 @@ fn placed(
         schedule: Some(schedule),
         clusters,
         warnings,
+    }
+}
+
+/// One app's renders by class of clusters: clusters with the same override operations
+/// (by content) and, under a division, the same assigned replicas render the same bytes,
+/// so each class is rendered once. A class whose render fails renders each of its
+/// clusters alone: the error names that cluster's own override fields. Classes that
+/// happen to render the same bytes still share one copy (and hash).
+#[derive(Default)]
+struct Classes<'a> {
+    /// Each class's render and the replicas it asks for; `None`: it fails.
+    outcomes: HashMap<ClassKey<'a>, Option<(Arc<RenderedMyApp>, u32)>>,
+    by_hash: HashMap<String, Arc<RenderedMyApp>>,
+}
+
+impl<'a> Classes<'a> {
+    fn render(
+        &mut self,
+        template: &Template<'_>,
+        ops: &[Located<'a>],
+        replicas: Option<u32>,
+    ) -> Result<(Arc<RenderedMyApp>, u32), RenderError> {
+        let key = ClassKey::of(ops, replicas);
+        let known = match self.outcomes.get(&key) {
+            Some(Some((rendered, asked))) => return Ok((rendered.clone(), *asked)),
+            Some(None) => true,
+            None => false,
+        };
+        let result = template.render(ops, replicas).map(|r| {
+            let shared = self.by_hash.entry(r.myapp.hash.clone());
+            (
+                shared.or_insert_with(|| Arc::new(r.myapp)).clone(),
+                r.replicas,
+            )
+        });
+        if !known {
+            self.outcomes.insert(key, result.as_ref().ok().cloned());
+        }
+        result
+    }
+}
+
+/// What a render depends on besides the template: the operations by content (not by
+/// where they are written, which only error messages name) and the assigned replicas.
+#[derive(PartialEq, Eq, Hash)]
+struct ClassKey<'a> {
+    ops: Vec<(&'static str, &'a str, Option<String>)>,
+    replicas: Option<u32>,
+}
+
+impl<'a> ClassKey<'a> {
+    fn of(ops: &[Located<'a>], replicas: Option<u32>) -> Self {
+        let op = |l: &Located<'a>| {
+            let value = l.op.value.as_ref().map(Value::to_string);
+            (overrides::op_name(l.op.op), l.op.path.as_str(), value)
+        };
+        Self {
+            ops: ops.iter().map(op).collect(),
+            replicas,
+        }
     }
 }
 
@@ -683,6 +744,59 @@ mod tests {
     }
 
     #[test]
+    fn operations_that_differ_only_in_a_missing_value_render_apart() {
+        // `value: null` (only code can write it: YAML's null reads as no value) clears
+        // replicas and the MyApp asks for 1; no value at all is an error. In either
+        // order, neither cluster gets the other's outcome.
+        for (null, missing) in [("c1", "c2"), ("c2", "c1")] {
+            let mut a = with_overrides(&format!(
+                "  - clusterName: {null}\n    clusterOverrides: [{{path: /spec/replicas}}]\n\
+                 \x20 - clusterName: {missing}\n    clusterOverrides: [{{path: /spec/replicas}}]\n"
+            ));
+            a.spec.overrides[0].cluster_overrides[0].value = Some(Value::Null);
+            let r = render(&a, &members(&["c1", "c2"])).unwrap();
+            assert_eq!(ok(&r, null)["spec"].get("replicas"), None);
+            assert_eq!(r.schedule.as_ref().unwrap().clusters[null].replicas, 1);
+            assert!(
+                err(&r, missing)
+                    .to_string()
+                    .contains("replace needs a value"),
+                "{}",
+                err(&r, missing)
+            );
+        }
+    }
+
+    #[test]
+    fn clusters_with_the_same_operations_share_one_render_and_keep_their_own_errors() {
+        let a = with_overrides(
+            "  - clusterName: c1\n    clusterOverrides: [{path: /spec/port, value: 80}, {path: /spec/replicas, value: 4}]\n\
+             \x20 - clusterName: c2\n    clusterOverrides: [{path: /spec/port, value: 80}, {path: /spec/replicas, value: 4}]\n",
+        );
+        let r = render(&a, &members(&["c1", "c2"])).unwrap();
+        // replace needs an existing port: both fail, each naming its own entry.
+        for (cluster, outer) in [("c1", 0), ("c2", 1)] {
+            let RenderError::Override(e) = err(&r, cluster) else {
+                panic!("{:?}", err(&r, cluster))
+            };
+            assert_eq!(
+                e.field,
+                format!("spec.overrides[{outer}].clusterOverrides[0]")
+            );
+        }
+        let a = with_overrides(
+            "  - clusterName: c1\n    clusterOverrides: [{op: add, path: /spec/port, value: 80}]\n\
+             \x20 - clusterName: c2\n    clusterOverrides: [{op: add, path: /spec/port, value: 80}]\n",
+        );
+        let r = render(&a, &members(&["c1", "c2", "c3"])).unwrap();
+        assert!(Arc::ptr_eq(
+            r.clusters["c1"].rendered().unwrap(),
+            r.clusters["c2"].rendered().unwrap()
+        ));
+        assert_eq!(ok(&r, "c2")["spec"]["port"], 80);
+    }
+
+    #[test]
     fn an_invalid_placement_keeps_every_cluster_as_it_is() {
         let a = app(
             "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: a}\n\
@@ -819,6 +933,238 @@ mod tests {
                 let once = render(&with, &members).unwrap();
                 let twice = render(&with, &members).unwrap();
                 prop_assert_eq!(&once, &twice);
+            }
+        }
+
+        // ---- grouped render against the render per cluster it replaced ----
+
+        /// The planner as it was before classes: one render per cluster, the replicas a
+        /// Duplicated cluster asks for read back from its JSON.
+        fn plan_per_cluster(app: &FederatedMyApp, members: &Members) -> AppPlan {
+            let Ok((decision, mut schedule)) = place_and_schedule(app, members) else {
+                return plan(app, members);
+            };
+            let template = Template::of(app);
+            let mut distinct: HashMap<String, Arc<RenderedMyApp>> = HashMap::new();
+            let mut clusters = BTreeMap::new();
+            for cluster in &decision.clusters {
+                let Some(assigned) = schedule.clusters.get_mut(cluster) else {
+                    continue;
+                };
+                if assigned.reason == SchedulingReason::FailedOver {
+                    clusters.insert(cluster.clone(), ClusterPlan::Keep(KeepReason::FailedOver));
+                    continue;
+                }
+                if assigned.replicas == 0 {
+                    continue;
+                }
+                let ops = overrides::for_cluster(&app.spec.overrides, cluster);
+                let replicas = schedule.divided.then_some(assigned.replicas);
+                let planned = match template.render(&ops, replicas) {
+                    Ok(r) => {
+                        let r = r.myapp;
+                        if !schedule.divided {
+                            let asked = r.to_value()["spec"]["replicas"].as_u64().unwrap_or(1);
+                            assigned.replicas = asked as u32;
+                        }
+                        let shared = distinct
+                            .entry(r.hash.clone())
+                            .or_insert_with(|| Arc::new(r));
+                        ClusterPlan::Apply(shared.clone())
+                    }
+                    Err(e) => ClusterPlan::Keep(KeepReason::RenderFailed(Box::new(e))),
+                };
+                clusters.insert(cluster.clone(), planned);
+            }
+            for cluster in decision.unknown {
+                clusters.insert(cluster, ClusterPlan::Unknown);
+            }
+            AppPlan {
+                generation: app.metadata.generation,
+                placement_error: None,
+                schedule: Some(schedule),
+                clusters,
+                warnings: unplaced_overrides(app, &decision.clusters),
+            }
+        }
+
+        const SIX: [&str; 6] = ["c1", "c2", "c3", "c4", "c5", "c6"];
+
+        /// Operations that matter to classes more often than random pointers hit them:
+        /// replicas (as integers, as a float, null, without a value, removed), labels,
+        /// a port.
+        fn class_op() -> impl Strategy<Value = ClusterOverride> {
+            let fixed = |op: OverrideOp, path: &str, value: Option<Value>| ClusterOverride {
+                op,
+                path: path.into(),
+                value,
+            };
+            prop_oneof![
+                op(),
+                (1i64..12).prop_map(move |n| fixed(
+                    OverrideOp::Replace,
+                    "/spec/replicas",
+                    Some(json!(n))
+                )),
+                Just(fixed(
+                    OverrideOp::Replace,
+                    "/spec/replicas",
+                    Some(json!(3.0))
+                )),
+                Just(fixed(OverrideOp::Remove, "/spec/replicas", None)),
+                Just(fixed(OverrideOp::Replace, "/spec/replicas", None)),
+                Just(fixed(
+                    OverrideOp::Replace,
+                    "/spec/replicas",
+                    Some(json!(null))
+                )),
+                Just(fixed(OverrideOp::Add, "/spec/port", Some(json!(80)))),
+                Just(fixed(
+                    OverrideOp::Add,
+                    "/metadata/labels/tier",
+                    Some(json!("gold"))
+                )),
+                Just(fixed(OverrideOp::Add, "/metadata/labels/tier", None)),
+                Just(fixed(
+                    OverrideOp::Add,
+                    "/metadata/labels/tier",
+                    Some(json!(null))
+                )),
+                Just(fixed(
+                    OverrideOp::Replace,
+                    "/spec/image",
+                    Some(json!("nginx"))
+                )),
+            ]
+        }
+
+        /// Overrides drawn from a pool of two operation lists, so that several
+        /// clusters often write the same operations (in entries of their own, sometimes
+        /// split over two entries), plus some for a cluster that is not placed.
+        fn pooled_overrides() -> impl Strategy<Value = Vec<ClusterOverrides>> {
+            let pool = prop::collection::vec(prop::collection::vec(class_op(), 0..4), 2);
+            let choice =
+                prop::collection::vec((prop::option::weighted(0.7, 0usize..2), any::<bool>()), 7);
+            (pool, choice).prop_map(|(pool, choice)| {
+                let names = SIX.iter().copied().chain(["ghost"]);
+                let mut all = Vec::new();
+                for (name, (pick, split)) in names.zip(choice) {
+                    let Some(ops) = pick.map(|i| pool[i].clone()) else {
+                        continue;
+                    };
+                    let at = if split { ops.len() / 2 } else { ops.len() };
+                    for part in [&ops[..at], &ops[at..]] {
+                        if !part.is_empty() || !split {
+                            all.push(ClusterOverrides {
+                                cluster_name: name.to_owned(),
+                                cluster_overrides: part.to_vec(),
+                            });
+                        }
+                    }
+                }
+                all
+            })
+        }
+
+        /// `spec.placement.replicaScheduling` and `failover`: none, Duplicated, or a
+        /// Weighted division with random weights and bounds.
+        fn scheduling() -> impl Strategy<Value = (Option<Value>, Option<Value>)> {
+            let pref = (0usize..6, 0u32..4, prop::option::of(0u32..4), prop::option::of(2u32..11))
+                .prop_map(|(c, weight, min, max)| {
+                    json!({"clusterNames": [SIX[c]], "weight": weight, "minReplicas": min, "maxReplicas": max})
+                });
+            let mode = prop_oneof![
+                Just(None),
+                Just(Some(json!({"mode": "Duplicated"}))),
+                (0i32..30, prop::collection::vec(pref, 0..4)).prop_map(|(total, prefs)| {
+                    Some(json!({"mode": "Weighted", "totalReplicas": total, "preferences": prefs}))
+                }),
+            ];
+            let failover = prop::option::of(prop_oneof![
+                Just(json!({})),
+                (0i32..400).prop_map(|g| json!({"gracePeriodSeconds": g}))
+            ]);
+            (mode, failover)
+        }
+
+        /// A template's spec: replicas in and out of the schema's bounds or unset, an
+        /// image valid or not, labels or none.
+        fn template() -> impl Strategy<Value = Value> {
+            let image = prop_oneof![Just("nginx:1.27"), Just("nginx"), Just("x:y")];
+            (prop::option::of(-1i32..12), image, any::<bool>()).prop_map(|(replicas, image, labels)| {
+                let metadata = if labels { json!({"labels": {"team": "blue"}}) } else { json!({}) };
+                json!({"metadata": metadata, "spec": {"replicas": replicas, "image": image, "config": {"a": "b"}}})
+            })
+        }
+
+        /// Members: each Ready, NotReady briefly, or NotReady past the default grace,
+        /// sometimes cordoned; and the previous division in status.
+        fn members_and_status() -> impl Strategy<Value = (Members, Value)> {
+            let ready = prop_oneof![6 => Just(0u8), 2 => Just(1), 2 => Just(2)];
+            let member = (ready, prop::bool::weighted(0.15), 0i32..5, 0i32..5);
+            prop::collection::vec(member, 6).prop_map(|ms| {
+                let mut members = Members::new();
+                let mut previous = Vec::new();
+                for (name, (ready, cordoned, replicas, ready_replicas)) in SIX.iter().zip(ms) {
+                    let not_ready_for = [None, Some(10), Some(1000)][usize::from(ready)];
+                    let member = placement::Member {
+                        unschedulable: cordoned,
+                        not_ready_for: not_ready_for.map(std::time::Duration::from_secs),
+                        ..Default::default()
+                    };
+                    members.insert((*name).to_owned(), member);
+                    previous.push(json!({"name": name, "replicas": replicas, "readyReplicas": ready_replicas}));
+                }
+                (members, json!({"observedGeneration": 1, "clusters": previous}))
+            })
+        }
+
+        fn grouped_case() -> impl Strategy<Value = (FederatedMyApp, Members)> {
+            let placed = prop::collection::vec(any::<bool>(), 7);
+            (placed, template(), scheduling(), pooled_overrides(), members_and_status(), any::<bool>())
+                .prop_map(|(placed, template, (mode, failover), overrides, (members, status), with_status)| {
+                    let names = SIX.iter().copied().chain(["ghost"]);
+                    let clusters: Vec<Value> = names
+                        .zip(placed)
+                        .filter(|(_, on)| *on)
+                        .map(|(n, _)| json!({"name": n}))
+                        .collect();
+                    let mut app = json!({
+                        "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+                        "metadata": {"name": "g", "namespace": "n", "generation": 2},
+                        "spec": {"placement": {"clusters": clusters}, "template": template, "overrides": overrides},
+                    });
+                    if let Some(mode) = mode {
+                        app["spec"]["placement"]["replicaScheduling"] = mode;
+                    }
+                    if let Some(failover) = failover {
+                        app["spec"]["placement"]["failover"] = failover;
+                    }
+                    if with_status {
+                        app["status"] = status;
+                    }
+                    let app: FederatedMyApp = serde_json::from_value(app).expect("a valid FederatedMyApp");
+                    (app, members)
+                })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(4096))]
+
+            /// Rendering once per class gives exactly what rendering per cluster gave:
+            /// the same plan (bytes, hashes, replicas per cluster, errors with their
+            /// culprit fields), and clusters with the same bytes share one copy.
+            #[test]
+            fn grouped_render_equals_render_per_cluster((app, members) in grouped_case()) {
+                let grouped = plan(&app, &members);
+                let alone = plan_per_cluster(&app, &members);
+                prop_assert_eq!(&grouped, &alone);
+                let applied: Vec<&Arc<RenderedMyApp>> = grouped.clusters.values().filter_map(ClusterPlan::rendered).collect();
+                for a in &applied {
+                    for b in &applied {
+                        prop_assert_eq!(a.hash == b.hash, Arc::ptr_eq(a, b));
+                    }
+                }
             }
         }
     }

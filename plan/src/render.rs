@@ -36,6 +36,14 @@ impl RenderedMyApp {
     }
 }
 
+/// One render: the MyApp, and the replicas it asks for (`spec.replicas`, 1 when unset),
+/// read before serializing so that nobody parses the JSON back for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rendered {
+    pub myapp: RenderedMyApp,
+    pub replicas: u32,
+}
+
 /// Why one cluster's MyApp cannot be rendered: that cluster's error alone.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RenderError {
@@ -77,7 +85,7 @@ impl<'a> Template<'a> {
         &self,
         ops: &[Located<'_>],
         replicas: Option<u32>,
-    ) -> Result<RenderedMyApp, RenderError> {
+    ) -> Result<Rendered, RenderError> {
         render_one(&self.doc, ops, self.namespace, self.name, replicas)
     }
 }
@@ -109,7 +117,7 @@ fn render_one(
     namespace: &str,
     name: &str,
     replicas: Option<u32>,
-) -> Result<RenderedMyApp, RenderError> {
+) -> Result<Rendered, RenderError> {
     let mut doc = base.clone();
     if let Some(n) = replicas {
         doc["spec"]["replicas"] = json!(n);
@@ -149,12 +157,16 @@ fn render_one(
     if let Some(e) = MYAPP_SCHEMA.iter_errors(&myapp).next() {
         return Err(invalid(e.instance_path().to_string(), e.to_string()));
     }
+    let asked = myapp["spec"]["replicas"].as_u64().unwrap_or(1) as u32;
     let hash = content_hash(&myapp);
     myapp["metadata"]["annotations"][HASH_ANNOTATION] = Value::String(hash.clone());
     let json = serde_json::to_vec(&myapp).expect("a JSON value serializes");
-    Ok(RenderedMyApp {
-        hash,
-        json: Bytes::from(json),
+    Ok(Rendered {
+        myapp: RenderedMyApp {
+            hash,
+            json: Bytes::from(json),
+        },
+        replicas: asked,
     })
 }
 
