@@ -47,6 +47,10 @@ pub fn sort(build: Build, from: &Path, min_kube_version: String) -> Result<Insta
     let service_account = name(&by_kind.one("ServiceAccount", from)?);
     let deployment = by_kind.one("Deployment", from)?;
     let services = by_kind.all("Service");
+    // A bundle cannot carry a FlowSchema (OLM installs only the kinds it knows): the
+    // agent's Lease requests keep their priority only where the admin applies
+    // deploy/base/flowschema.yaml beside the operator (deploy/olm/README.md).
+    by_kind.all("FlowSchema");
     let subject =
         json!([{"kind": "ServiceAccount", "name": service_account, "namespace": namespace}]);
     let cluster_rules = bound_rules(
