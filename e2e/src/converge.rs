@@ -16,7 +16,7 @@ use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams};
 use kube::{Client, ResourceExt};
 use serde_json::Value;
 
-use crate::Env;
+use flotilla_lab::Env;
 
 /// A MyApp's `namespace/name`, the same on the host and every member.
 pub type Key = String;
@@ -230,7 +230,7 @@ pub async fn wait_converged(env: &Env, timeout: Duration) -> Result<(Report, Dur
             return Ok((r.clone(), start.elapsed()));
         }
         last = Some(report);
-        tokio::time::sleep(crate::wait::POLL).await;
+        tokio::time::sleep(flotilla_lab::wait::POLL).await;
     }
     match last {
         Some(Ok(r)) => anyhow::bail!(

@@ -2,9 +2,9 @@
 //! against an environment that it brings up if none is running and tears down again
 //! (even when something failed or it was interrupted).
 
-use crate::env::{DIR_VAR, Provider};
-use crate::support::workspace_root;
 use anyhow::{Result, anyhow};
+use flotilla_lab::env::{DIR_VAR, Provider};
+use flotilla_lab::support::workspace_root;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use std::path::Path;
@@ -68,11 +68,11 @@ pub async fn run(dir: &Path, members: usize, provider: Provider, real_nodes: boo
     let mut brought_up = false;
     let mut env_ok = false;
     if !interrupted {
-        let same_mode = crate::Env::load_state(dir)
+        let same_mode = flotilla_lab::Env::load_state(dir)
             .ok()
             .flatten()
             .is_some_and(|e| e.real_nodes == real_nodes);
-        if same_mode && crate::status::is_up(dir).await {
+        if same_mode && flotilla_lab::status::is_up(dir).await {
             eprintln!(
                 "flotilla-e2e test: using the running environment in {}",
                 dir.display()
@@ -81,7 +81,7 @@ pub async fn run(dir: &Path, members: usize, provider: Provider, real_nodes: boo
         } else {
             brought_up = true;
             let up = tokio::select! {
-                r = crate::up_with(dir, members, provider, real_nodes) => r.map(|_| ()),
+                r = flotilla_lab::up_with(dir, members, provider, real_nodes) => r.map(|_| ()),
                 s = signalled() => { interrupted = true; Err(anyhow!("interrupted by {s}")) }
             };
             if let Err(e) = &up {
@@ -127,7 +127,7 @@ pub async fn run(dir: &Path, members: usize, provider: Provider, real_nodes: boo
         ));
     }
     if brought_up {
-        let down = crate::down(dir).await;
+        let down = flotilla_lab::down(dir).await;
         if let Err(e) = &down {
             eprintln!("flotilla-e2e test: tearing the environment down failed: {e:#}");
         }
@@ -162,7 +162,7 @@ async fn cargo(args: &[&str], dir: &Path, tally: &mut Tally) -> Result<bool> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
     eprintln!("flotilla-e2e test: {cargo} {}", args.join(" "));
     let mut command = Command::new(&cargo);
-    for name in crate::support::crate_vars() {
+    for name in flotilla_lab::support::crate_vars() {
         command.env_remove(name);
     }
     let mut child = command

@@ -7,7 +7,7 @@
 //! `cargo run -p flotilla-e2e -- test` do everything); without one every test fails and
 //! says so.
 
-use flotilla_e2e::{Env, Provider, wait_for};
+use flotilla_lab::{Env, Provider, wait_for};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -76,7 +76,7 @@ async fn crds_are_installed_on_host_and_members() {
             );
             let crd = api.get(&name).await.unwrap();
             assert!(
-                flotilla_e2e::cluster::established(&crd),
+                flotilla_lab::cluster::established(&crd),
                 "CRD {name} not Established on {}",
                 c.name
             );

@@ -14,9 +14,10 @@ use anyhow::{Context, Result, bail, ensure};
 use flotilla_crds::{FederatedMyApp, MemberCluster};
 use flotilla_e2e::converge::{self, managed_myapps};
 use flotilla_e2e::deletions::DeletionLog;
-use flotilla_e2e::federation::{self, Federation, HUB, agent_name, wait_member_ready};
-use flotilla_e2e::support::sample;
-use flotilla_e2e::{Env, faults, process, wait_for};
+use flotilla_e2e::faults;
+use flotilla_lab::federation::{self, Federation, HUB, agent_name, wait_member_ready};
+use flotilla_lab::support::sample;
+use flotilla_lab::{Env, process, wait_for};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -388,7 +389,7 @@ async fn a_second_agent_with_the_same_identity_changes_nothing() -> Result<()> {
             tokio::time::sleep(Duration::from_secs(5)).await;
             let verdict = verdict(&ctx, "second-agent-same-identity", &log, start).await;
             // The first agent holds the Lease: the twin waited as a standby throughout.
-            let standby = match flotilla_e2e::support::http_get(&launch.http, "/readyz").await {
+            let standby = match flotilla_lab::support::http_get(&launch.http, "/readyz").await {
                 Ok((200, _)) => Err(anyhow::anyhow!(
                     "the twin agent is ready: two agents act for cluster1"
                 )),
@@ -490,7 +491,7 @@ async fn a_mass_collection_waits_for_a_confirmation() -> Result<()> {
                 "the condition does not say what to confirm: {}",
                 blocked.message
             );
-            flotilla_e2e::wait_event(&ctx.host, "default", "cluster2", "CollectionBlocked", CONVERGE)
+            flotilla_lab::wait_event(&ctx.host, "default", "cluster2", "CollectionBlocked", CONVERGE)
                 .await?;
             // Held back: nothing deleted while unconfirmed.
             tokio::time::sleep(Duration::from_secs(5)).await;
@@ -715,7 +716,7 @@ async fn the_standby_hub_takes_over_when_the_leader_is_sigkilled() -> Result<()>
                 CONVERGE,
                 "every agent synced with the new leader",
                 || async {
-                    let metrics = flotilla_e2e::support::http_get(&launch.http, "/metrics")
+                    let metrics = flotilla_lab::support::http_get(&launch.http, "/metrics")
                         .await?
                         .1;
                     Ok(members

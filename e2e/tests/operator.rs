@@ -13,9 +13,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use flotilla_crds::{MyApp, MyAppStatus};
-use flotilla_e2e::federation::{Federation, agent_name};
-use flotilla_e2e::support::{cargo_binaries, free_addr, http_get, workspace_root};
-use flotilla_e2e::{Env, ProcessRecord, wait_for};
+use flotilla_lab::federation::{Federation, agent_name};
+use flotilla_lab::support::{cargo_binaries, free_addr, http_get, workspace_root};
+use flotilla_lab::{Env, ProcessRecord, wait_for};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, ServiceAccount};
@@ -221,7 +221,7 @@ impl Drop for Fixture {
         if let Some(operator) = &self.own {
             let stopped = operator
                 .stop(Duration::from_secs(5))
-                .and_then(|()| flotilla_e2e::process::forget(&self.env.dir, &operator.name));
+                .and_then(|()| flotilla_lab::process::forget(&self.env.dir, &operator.name));
             if let Err(e) = stopped {
                 eprintln!("stopping {}: {e:#}", operator.name);
             }
@@ -653,7 +653,7 @@ async fn one_myapp_the_apiserver_rejects_counts_errors_above_the_alert_rate() {
     let agent = agent_name(&f.member);
     let errors = || async {
         let metrics = federation.metrics(&agent).await.unwrap();
-        flotilla_e2e::support::sample(
+        flotilla_lab::support::sample(
             &metrics,
             r#"controller_runtime_reconcile_errors_total{controller="myapp",error="invalid_spec"}"#,
         )

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use flotilla_crds::{FederatedMyApp, MemberCluster, MyApp};
-use flotilla_e2e::{Env, wait_for};
+use flotilla_lab::{Env, wait_for};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
@@ -307,7 +307,7 @@ async fn an_invalid_override_is_reported_for_its_cluster_only() -> Result<()> {
     assert!(myapps(&c.c2).get_opt("bad-override").await?.is_none());
 
     let event =
-        flotilla_e2e::wait_event(&c.host, "default", "bad-override", "RenderFailed", TIMEOUT)
+        flotilla_lab::wait_event(&c.host, "default", "bad-override", "RenderFailed", TIMEOUT)
             .await?;
     assert!(
         event

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use anyhow::{Result, anyhow, bail};
 use flotilla_crds::{FederatedMyApp, MyApp};
-use flotilla_e2e::federation::wait_member_ready;
-use flotilla_e2e::realnode::{self, NODE_NAME, REAL_NODE_KEY};
-use flotilla_e2e::{Env, Role, oci, wait_for};
+use flotilla_lab::federation::wait_member_ready;
+use flotilla_lab::provider::realnode::{self, NODE_NAME, REAL_NODE_KEY, oci};
+use flotilla_lab::{Env, Role, wait_for};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};

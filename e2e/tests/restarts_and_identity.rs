@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use anyhow::Result;
 use flotilla_crds::{FederatedMyApp, MyApp};
-use flotilla_e2e::federation::{Federation, HUB, agent_name};
-use flotilla_e2e::support::sample;
-use flotilla_e2e::{Env, wait_for};
+use flotilla_lab::federation::{Federation, HUB, agent_name};
+use flotilla_lab::support::sample;
+use flotilla_lab::{Env, wait_for};
 use flotilla_proto::v1::hub_message;
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};

@@ -4,7 +4,7 @@
 //! 1. Images: `flotilla-hub` and `flotilla-agent` built static (`--release --target
 //!    x86_64-unknown-linux-musl`, as `deploy/Dockerfile` builds them; or taken from
 //!    `$FLOTILLA_IMAGE_BIN_DIR`), stripped, laid out as the Dockerfile lays them out
-//!    ([`crate::oci`]) and imported into the nodes' containerd (the hub's into the host's
+//!    ([`super::oci`]) and imported into the nodes' containerd (the hub's into the host's
 //!    node, the agent's into the members'). Tagged `e2e-<hash of the binary>`, so that a
 //!    changed binary is a new image and a rollout.
 //! 2. The hub: `kubectl apply -k` of an overlay written under the state dir over
@@ -22,10 +22,10 @@
 //! `flotilla.io/leader=true`), every agent is Ready and every MemberCluster is Ready. When
 //! a Pod does not become Ready it fails with `kubectl describe pod` of the Pods concerned.
 
+use super::{self as realnode, REAL_NODE_KEY};
 use crate::env::Env;
 use crate::federation::{HUB_NAMESPACE, REGION, region_of, wait_member_ready};
 use crate::hubcli::HubCli;
-use crate::realnode::{self, REAL_NODE_KEY};
 use crate::support::{cargo_binaries, cargo_binaries_with, workspace_root};
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -102,9 +102,9 @@ pub async fn images(env: &Env) -> Result<Images> {
         }
         let hash = hex::encode(Sha256::digest(std::fs::read(&bin)?));
         let tag = format!("e2e-{}", &hash[..12]);
-        let spec = crate::oci::flotilla_image(component, &bin, &tag);
+        let spec = super::oci::flotilla_image(component, &bin, &tag);
         let archive = dir.join(format!("{name}.tar"));
-        crate::oci::write_archive(&spec, &archive)?;
+        super::oci::write_archive(&spec, &archive)?;
         for c in &env.clusters {
             let wanted = match component {
                 "hub" => c.role == crate::Role::Host,

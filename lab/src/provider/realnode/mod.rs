@@ -36,6 +36,9 @@
 //! process in its namespaces (containerd, shims, the holder), removes the cgroups, the
 //! bridge and the node's directories.
 
+pub mod oci;
+pub mod pods;
+
 use crate::env::Env;
 use crate::process::{self, ProcessRecord};
 use anyhow::{Context, Result, bail};
@@ -549,6 +552,33 @@ fn kill_pids(pids: &[u32]) {
             );
         }
     }
+}
+
+/// `up --real-nodes`, once the clusters run: the real nodes (with the pause image), then
+/// Flotilla itself as Pods on them, from deploy/ and `flotilla-hub join`. `start` is when
+/// `up` began, for the log.
+pub async fn install(env: &Env, start: Instant) -> Result<()> {
+    let bin = crate::provider::local::binaries(true).await?;
+    let images = images_dir(&env.dir);
+    std::fs::create_dir_all(&images)?;
+    let pause = images.join("pause.tar");
+    oci::write_archive(&oci::pause_image(&bin.join("pause"), PAUSE_IMAGE), &pause)?;
+    up(env, &bin, &[pause])
+        .await
+        .context("starting the real nodes")?;
+    eprintln!(
+        "flotilla-e2e: real nodes Ready after {:.1}s",
+        start.elapsed().as_secs_f64()
+    );
+    pods::up(env, &bin)
+        .await
+        .context("installing flotilla-hub and the agents as Pods")?;
+    eprintln!(
+        "flotilla-e2e: environment up in {:.1}s, hub and agents as Pods ({})",
+        start.elapsed().as_secs_f64(),
+        env.dir.display()
+    );
+    Ok(())
 }
 
 /// Starts the real node of every cluster (those already running are kept), imports

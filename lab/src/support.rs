@@ -10,10 +10,10 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// The workspace root, known at compile time (the binary and the tests live in it).
+/// The workspace root, known at compile time (the binaries and the tests live in it).
 pub fn workspace_root() -> PathBuf {
-    let e2e = Path::new(env!("CARGO_MANIFEST_DIR"));
-    e2e.parent().unwrap_or(e2e).to_path_buf()
+    let lab = Path::new(env!("CARGO_MANIFEST_DIR"));
+    lab.parent().unwrap_or(lab).to_path_buf()
 }
 
 /// Builds the named `(package, binary)` pairs of the workspace (a no-op when they are

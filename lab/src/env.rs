@@ -157,7 +157,8 @@ impl Env {
         Ok(Some(env))
     }
 
-    pub(crate) fn save(&self) -> Result<()> {
+    /// Records the state in `<dir>/env.json` (written aside, then renamed).
+    pub fn save(&self) -> Result<()> {
         let path = self.dir.join(STATE_FILE);
         let tmp = self.dir.join(format!("{STATE_FILE}.tmp"));
         std::fs::write(&tmp, serde_json::to_vec_pretty(self)?)
