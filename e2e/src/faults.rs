@@ -8,18 +8,17 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use nix::sys::signal::Signal;
 
 use crate::proxy::Proxy;
 use flotilla_lab::Env;
 use flotilla_lab::federation::{Federation, HUB, HUB_NAMESPACE, Launch, agent_name};
-use flotilla_lab::process::{self, ProcessRecord};
+use flotilla_lab::process::{self, ProcessRecord, Signal};
 use flotilla_lab::support::free_addr;
 
 /// SIGKILLs component `name` (the hub or `flotilla-agent-<cluster>`); returns once it is gone.
 pub fn sigkill(env: &Env, f: &Federation, name: &str) -> Result<ProcessRecord> {
     let p = f.process(env, name)?;
-    p.signal(Signal::SIGKILL)?;
+    p.signal(Signal::KILL)?;
     if !p.wait_gone(Duration::from_secs(10)) {
         bail!("{name} (PID {}) still runs 10s after SIGKILL", p.pid);
     }
@@ -39,7 +38,7 @@ pub async fn start(env: &Env, f: &Federation, name: &str) -> Result<ProcessRecor
 /// stops it) and returned, for the caller to watch it end.
 pub async fn replace_hub(env: &Env, f: &Federation) -> Result<(ProcessRecord, ProcessRecord)> {
     let old = f.process(env, HUB)?;
-    old.signal(Signal::SIGTERM)?;
+    old.signal(Signal::TERM)?;
     let old = process::rename(&env.dir, HUB, &format!("{HUB}-old-{}", old.pid))?;
     let grpc = f
         .hub_grpc

@@ -5,8 +5,7 @@
 use anyhow::{Result, anyhow};
 use flotilla_lab::env::{DIR_VAR, Provider};
 use flotilla_lab::support::workspace_root;
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
+use rustix::process::{Pid, Signal, kill_process_group, test_kill_process_group};
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
@@ -207,21 +206,23 @@ async fn cargo(args: &[&str], dir: &Path, tally: &mut Tally) -> Result<bool> {
 
 /// SIGTERM to a process group, SIGKILL five seconds later if it still has members.
 async fn stop_group(group: Option<u32>) {
-    let Some(pgid) = group.and_then(|g| i32::try_from(g).ok()) else {
+    let Some(pgid) = group
+        .and_then(|g| i32::try_from(g).ok())
+        .and_then(Pid::from_raw)
+    else {
         return;
     };
-    let pgid = Pid::from_raw(pgid);
-    if killpg(pgid, Signal::SIGTERM).is_err() {
+    if kill_process_group(pgid, Signal::TERM).is_err() {
         return;
     }
     for _ in 0..50 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         // Signal 0 only asks whether the group still has a member.
-        if killpg(pgid, None).is_err() {
+        if test_kill_process_group(pgid).is_err() {
             return;
         }
     }
-    let _ = killpg(pgid, Signal::SIGKILL);
+    let _ = kill_process_group(pgid, Signal::KILL);
 }
 
 /// Resolves on SIGINT or SIGTERM (CI stops a run with the latter).

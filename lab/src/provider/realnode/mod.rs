@@ -161,7 +161,7 @@ pub fn ensure_bridge(net: &Network) -> Result<()> {
 
 /// What real-node mode needs from the machine, checked before anything starts.
 fn check_prerequisites() -> Result<()> {
-    if !nix::unistd::Uid::effective().is_root() {
+    if !rustix::process::geteuid().is_root() {
         bail!("real-node mode runs containerd and kubelets: it needs root");
     }
     let mut missing = Vec::new();
@@ -544,12 +544,10 @@ fn in_namespaces(netns: Option<u64>, mntns: Option<u64>) -> Vec<u32> {
 }
 
 fn kill_pids(pids: &[u32]) {
+    use rustix::process::{Pid, Signal, kill_process};
     for &pid in pids {
-        if let Ok(pid) = i32::try_from(pid) {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+        if let Some(pid) = i32::try_from(pid).ok().and_then(Pid::from_raw) {
+            let _ = kill_process(pid, Signal::KILL);
         }
     }
 }
@@ -608,21 +606,12 @@ pub async fn up(env: &Env, bin: &Path, images: &[PathBuf]) -> Result<()> {
     }
     for c in &env.clusters {
         let nodes: Api<Node> = Api::all(env.client(&c.name).await?);
-        crate::wait_for(
+        crate::wait::await_object(
+            &nodes,
+            NODE_NAME,
             READY_TIMEOUT,
             &format!("node {NODE_NAME} of {} to be Ready", c.name),
-            || async {
-                let Some(n) = nodes.get_opt(NODE_NAME).await? else {
-                    return Ok(None);
-                };
-                let ready = n
-                    .status
-                    .and_then(|s| s.conditions)
-                    .unwrap_or_default()
-                    .iter()
-                    .any(|c| c.type_ == "Ready" && c.status == "True");
-                Ok(ready.then_some(()))
-            },
+            |n: Option<&Node>| n.is_some_and(crate::cluster::node_ready),
         )
         .await
         .with_context(|| {

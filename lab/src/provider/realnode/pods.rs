@@ -170,21 +170,6 @@ fn member_kustomization() -> String {
     )
 }
 
-/// `to` relative to the directory `from` (both absolute): `../../repo/deploy/...`.
-fn relative(from: &Path, to: &Path) -> PathBuf {
-    let from: Vec<_> = from.components().collect();
-    let to: Vec<_> = to.components().collect();
-    let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
-    let mut out = PathBuf::new();
-    for _ in common..from.len() {
-        out.push("..");
-    }
-    for c in &to[common..] {
-        out.push(c);
-    }
-    out
-}
-
 fn kubectl(bin: &Path, kubeconfig: &Path, args: &[&str]) -> Result<String> {
     let out = Command::new(bin.join("kubectl"))
         .arg("--kubeconfig")
@@ -277,9 +262,11 @@ pub async fn up(env: &Env, bin: &Path) -> Result<()> {
         .join("overlays")
         .join("hub-nodeport");
     // kustomize takes bases by relative path only ("new root cannot be absolute").
+    let relative = pathdiff::diff_paths(&base, hub_dir.canonicalize()?)
+        .with_context(|| format!("{} relative to {}", base.display(), hub_dir.display()))?;
     std::fs::write(
         hub_dir.join("kustomization.yaml"),
-        hub_kustomization(&relative(&hub_dir.canonicalize()?, &base), &tag),
+        hub_kustomization(&relative, &tag),
     )?;
     let cli_bin = cargo_binaries(&[("flotilla-hub", "flotilla-hub")])?;
     let cli = HubCli {
@@ -415,15 +402,14 @@ mod tests {
             serde_yaml::from_str(k["patches"][0]["patch"].as_str().unwrap()).unwrap();
         assert_eq!(patch[0]["value"][0]["key"], REAL_NODE_KEY);
         assert_eq!(patch[1]["value"][REAL_NODE_KEY], "true");
+        // The base as kustomize takes it: relative to the overlay's directory.
+        let relative = |from: &str, to: &str| pathdiff::diff_paths(to, from).unwrap();
         assert_eq!(
-            relative(
-                Path::new("/e2e/nodes/install/hub"),
-                Path::new("/repo/deploy/x")
-            ),
+            relative("/e2e/nodes/install/hub", "/repo/deploy/x"),
             Path::new("../../../../repo/deploy/x")
         );
         assert_eq!(
-            relative(Path::new("/repo/target/e2e/i"), Path::new("/repo/deploy/x")),
+            relative("/repo/target/e2e/i", "/repo/deploy/x"),
             Path::new("../../../deploy/x")
         );
         let m: serde_yaml::Value = serde_yaml::from_str(&member_kustomization()).unwrap();
