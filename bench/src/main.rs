@@ -23,7 +23,7 @@ mod procstat;
 mod stats;
 
 use std::future::Future;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
@@ -37,10 +37,9 @@ use serde_json::Value;
     about = "Flotilla's benchmarks, each against a baseline measured in the same run (see BENCHMARKS.md)"
 )]
 struct Cli {
-    /// The lab's state directory, for the scenarios on a real environment (relative paths
-    /// are taken from the workspace root) [default: <workspace>/target/e2e]
-    #[arg(long, global = true, env = env::DIR_VAR)]
-    dir: Option<PathBuf>,
+    // The lab's state directory, for the scenarios on a real environment.
+    #[command(flatten)]
+    dir: env::DirArg,
     /// Also print the figures as one JSON object on the last line
     #[arg(long, global = true)]
     json: bool,
@@ -51,11 +50,7 @@ struct Cli {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let dir = match &cli.dir {
-        Some(d) => flotilla_lab::support::workspace_root().join(d),
-        None => env::default_dir(),
-    };
-    match run(cli.scenario, cli.json, &dir).await {
+    match run(cli.scenario, cli.json, &cli.dir.resolve()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("flotilla-bench: error: {e:#}");

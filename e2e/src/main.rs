@@ -13,10 +13,8 @@ use std::process::ExitCode;
     about = "Flotilla's multi-cluster e2e environment on real Kubernetes control planes"
 )]
 struct Cli {
-    /// State directory (relative paths are taken from the workspace root)
-    /// [default: <workspace>/target/e2e]
-    #[arg(long, global = true, env = env::DIR_VAR)]
-    dir: Option<PathBuf>,
+    #[command(flatten)]
+    dir: env::DirArg,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -59,11 +57,7 @@ enum Cmd {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let dir = match &cli.dir {
-        Some(d) => flotilla_lab::support::workspace_root().join(d),
-        None => env::default_dir(),
-    };
-    match run(cli.command, dir).await {
+    match run(cli.command, cli.dir.resolve()).await {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {

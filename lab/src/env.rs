@@ -67,6 +67,25 @@ pub fn default_dir() -> PathBuf {
     }
 }
 
+/// `--dir`, for the commands that work on an environment (`flotilla-e2e`, `flotilla-bench`).
+#[derive(clap::Args, Debug)]
+pub struct DirArg {
+    /// State directory (relative paths are taken from the workspace root)
+    /// [default: <workspace>/target/e2e]
+    #[arg(long = "dir", global = true, env = DIR_VAR)]
+    dir: Option<PathBuf>,
+}
+
+impl DirArg {
+    /// The state directory it names, or [`default_dir`].
+    pub fn resolve(&self) -> PathBuf {
+        match &self.dir {
+            Some(d) => workspace_root().join(d),
+            None => default_dir(),
+        }
+    }
+}
+
 impl Env {
     pub(crate) fn new(
         dir: &Path,
