@@ -1,6 +1,7 @@
 //! Report: the status of managed MyApps, as the hub wants it.
 
 use flotilla_crds::MyApp;
+use flotilla_proto::WireKey;
 use flotilla_proto::v1 as pb;
 
 use crate::sync::{Key, applied_hash, is_managed};

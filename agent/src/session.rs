@@ -21,6 +21,7 @@ use flotilla_common::listed::{self, Listed};
 
 use crate::capacity;
 use flotilla_crds::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
+use flotilla_proto::WireKey;
 use flotilla_proto::client::{self, Dial, DialError};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
 use futures::StreamExt;

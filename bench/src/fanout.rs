@@ -2,11 +2,12 @@
 //!
 //! Three roles, two processes, so that the hub's figures are the hub's alone:
 //! - the **hub** runs in a child process (`flotilla-bench serve hub`, this binary):
-//!   K MemberClusters in a reflector store, M FederatedMyApps planned with the
-//!   controller's own `plan_app` into the `Dispatcher` and the `StatusBoard`, and the
-//!   hub's `server::serve` (the tonic `FederationService`, TLS, keepalive, limits). It
-//!   has no host apiserver: the index is built the way the planner builds it after the
-//!   stores listed, and status is aggregated in memory but not written out;
+//!   K MemberClusters in a reflector store, M FederatedMyApps planned with the hub's
+//!   own planning core (`flotilla_plan::plan`) into the `Dispatcher` and the
+//!   `StatusBoard`, and the hub's `server::serve` (the tonic `FederationService`, TLS,
+//!   keepalive, limits). It has no host apiserver: the index is built the way the planner
+//!   builds it after the stores listed, and status is aggregated in memory but not
+//!   written out;
 //! - the **floor** runs in the same kind of child (`flotilla-bench serve floor`): a bare tonic
 //!   service streaming, per cluster, the same number of Apply messages of the same size,
 //!   then a SyncComplete listing the same keys, with no index, queue or authentication;
@@ -31,12 +32,13 @@ use anyhow::{Context, Result, bail, ensure};
 use bytes::Bytes;
 use flotilla_crds::{FederatedMyApp, MemberCluster};
 use flotilla_hub::auth::token_sha256;
-use flotilla_hub::controller::{key_of, plan_app};
+use flotilla_hub::controller::key_of;
 use flotilla_hub::dispatch::Dispatcher;
-use flotilla_hub::index::Desired;
 use flotilla_hub::membership::{self, Membership};
 use flotilla_hub::server::FederationService;
-use flotilla_hub::status::StatusBoard;
+use flotilla_hub::status::{Planned, StatusBoard};
+use flotilla_plan::index::Desired;
+use flotilla_plan::plan;
 use flotilla_proto::client::{self, Dial, MAX_MESSAGE};
 use flotilla_proto::v1::federation_server::{Federation, FederationServer};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
@@ -272,13 +274,20 @@ fn hub_service(
     for a in 0..size.apps {
         let app = fed_app(a, size);
         let key = key_of(&app);
-        let (plan, desired) = plan_app(&app, &members);
+        let plan = plan(&app, &members);
+        let desired = plan.desired();
         pairs += desired
             .values()
             .filter(|d| matches!(d, Desired::Apply(_)))
             .count();
         dispatcher.set_app(&key, app.metadata.generation, desired);
-        status.set_plan(&key, plan);
+        status.set_plan(
+            &key,
+            Planned {
+                plan,
+                deleting_on: None,
+            },
+        );
         apps.push(app);
     }
     ensure!(
@@ -316,7 +325,7 @@ impl Bare {
         let members = (0..size.clusters)
             .map(|i| (cluster_name(i), Default::default()))
             .collect();
-        let (_, desired) = plan_app(&fed_app(0, size), &members);
+        let desired = plan(&fed_app(0, size), &members).desired();
         let Some(Desired::Apply(one)) = desired.into_values().last() else {
             bail!("the sample app did not render");
         };
@@ -735,7 +744,7 @@ pub async fn fanout(size: Size) -> Result<Report> {
         ],
         notes: vec![
             format!(
-                "hub set-up before the agents (plan_app: placement, overrides, render, hash; index; status board): {:.2} s ({:.0} pairs/s), {:.2} CPU s, RSS {:.0} MiB after it",
+                "hub set-up before the agents (flotilla_plan::plan: placement, overrides, render, hash; index; status board): {:.2} s ({:.0} pairs/s), {:.2} CPU s, RSS {:.0} MiB after it",
                 hub_setup_s,
                 pairs / hub_setup_s.max(1e-9),
                 setup.cpu_s,

@@ -125,6 +125,8 @@ impl Default for Metrics {
             "Current depth of workqueue",
             depth.clone(),
         );
+        // The leader election's (`flotilla_leader_*`), whichever Lease this process elects on.
+        crate::leader::register_metrics(&mut registry);
         Self {
             registry,
             reconciles,

@@ -2,10 +2,12 @@
 
 pub mod condition;
 pub mod federated;
+mod key;
 pub mod member;
 pub mod myapp;
 
 pub use federated::{FederatedMyApp, FederatedMyAppSpec, FederatedMyAppStatus};
+pub use key::AppKey;
 pub use member::{MemberCluster, MemberClusterSpec, MemberClusterStatus};
 pub use myapp::{MyApp, MyAppSpec, MyAppStatus};
 

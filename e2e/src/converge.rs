@@ -1,6 +1,7 @@
 //! The convergence checker: from the host's FederatedMyApps and MemberClusters, what
-//! every member must run (computed with the hub's own render core), compared with the
-//! managed MyApps each member actually has. Every difference is reported in words.
+//! every member must run (computed with the hub's own planning, `flotilla_plan::plan`),
+//! compared with the managed MyApps each member actually has. Every difference is
+//! reported in words.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -9,9 +10,8 @@ use anyhow::{Context, Result};
 use flotilla_crds::{
     FederatedMyApp, HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MemberCluster,
 };
-use flotilla_hub::controller::plan_app;
-use flotilla_hub::index::Desired;
-use flotilla_hub::placement::Members;
+use flotilla_plan::placement::{self, Members};
+use flotilla_plan::{ClusterPlan, plan};
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams};
 use kube::{Client, ResourceExt};
 use serde_json::Value;
@@ -59,7 +59,7 @@ impl Report {
 
 /// The registered clusters as the hub sees them: the hub's own reading.
 pub fn members_of(clusters: &[MemberCluster]) -> Members {
-    flotilla_hub::membership::registered_of(clusters)
+    placement::registered_of(clusters)
 }
 
 /// What each of `clusters` must run, from the host's apps and registered members. An app
@@ -79,18 +79,17 @@ pub fn desired(apps: &[FederatedMyApp], members: &Members, clusters: &[&str]) ->
             app.namespace().unwrap_or_else(|| "default".into()),
             app.name_any()
         );
-        let (_, plan) = plan_app(app, members);
-        for (cluster, desired) in plan {
-            let want = match desired {
-                Desired::Apply(r) => {
+        for (cluster, planned) in plan(app, members).clusters {
+            let want = match planned {
+                ClusterPlan::Apply(r) => {
                     let mut value = r.to_value();
                     Want::Exactly {
                         hash: r.hash.clone(),
                         spec: value["spec"].take(),
                     }
                 }
-                Desired::Keep => Want::Any,
-                Desired::Release => continue,
+                ClusterPlan::Keep(_) => Want::Any,
+                ClusterPlan::Unknown => continue,
             };
             if let Some(wants) = out.get_mut(&cluster) {
                 wants.insert(key.clone(), want);
@@ -266,10 +265,7 @@ mod tests {
                     .iter()
                     .map(|(k, v)| (k.to_string(), v.to_string()))
                     .collect();
-                (
-                    n.to_string(),
-                    flotilla_hub::placement::Member::with_labels(labels),
-                )
+                (n.to_string(), placement::Member::with_labels(labels))
             })
             .collect()
     }
@@ -305,8 +301,8 @@ mod tests {
         assert_ne!(h1, h2);
         assert!(d["cluster3"].is_empty(), "not placed there");
         // The hash is the hub's: the same as `render` gives for that cluster.
-        let rendered = flotilla_hub::render::render(&seed, &m).unwrap();
-        assert_eq!(rendered.clusters["cluster1"].as_ref().unwrap().hash, h1);
+        let planned = plan(&seed, &m);
+        assert_eq!(planned.clusters["cluster1"].rendered().unwrap().hash, h1);
     }
 
     #[test]

@@ -657,8 +657,8 @@ async fn a_rotated_token_changes_nothing_but_the_credential() -> Result<()> {
 
 /// Two hubs, elected, behind what stands in for their Service (new connections go to the
 /// Lease holder): the leader is SIGKILLed, every app changes during the failover, the
-/// standby leads within 10 s, the agents follow it, everything converges and nothing is
-/// deleted.
+/// standby leads within the lease duration and a retry period (15 s + 2 s, and 1 s for
+/// the calls), the agents follow it, everything converges and nothing is deleted.
 #[tokio::test]
 async fn the_standby_hub_takes_over_when_the_leader_is_sigkilled() -> Result<()> {
     run("fault-hub-failover", |ctx| async move {
@@ -708,8 +708,8 @@ async fn the_standby_hub_takes_over_when_the_leader_is_sigkilled() -> Result<()>
                 took.as_secs_f64()
             );
             ensure!(
-                took < Duration::from_secs(10),
-                "the standby took {took:?} to lead (the bound is 10 s)"
+                took < Duration::from_secs(18),
+                "the standby took {took:?} to lead (the bound is 18 s)"
             );
             // The agents reach the new leader: it completed a sync with each.
             wait_for(

@@ -2,8 +2,9 @@
 //! and reading of them never panics.
 #![no_main]
 
-use flotilla_hub::index::AppKey;
-use flotilla_hub::status::Report;
+use flotilla_hub::convert::{capacity_from_pb, report_from_pb};
+use flotilla_plan::AppKey;
+use flotilla_proto::WireKey;
 use flotilla_proto::v1::{self as pb, agent_message};
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
@@ -20,11 +21,11 @@ fuzz_target!(|data: &[u8]| {
         }
         Some(agent_message::Kind::Status(report)) => {
             let _ = AppKey::from_wire(report.key.clone());
-            let report = Report::from(report);
+            let report = report_from_pb(report);
             let _ = report.held();
         }
         Some(agent_message::Kind::Capacity(c)) => {
-            let _ = flotilla_hub::placement::capacity_from_pb(&c);
+            let _ = capacity_from_pb(&c);
         }
         _ => {}
     }

@@ -1,9 +1,9 @@
-//! Any FederatedMyApp the apiserver could hand the hub (its JSON, as bytes): render never
-//! panics, and each cluster's error stays that cluster's.
+//! Any FederatedMyApp the apiserver could hand the hub (its JSON, as bytes): planning
+//! never panics, and each cluster's error stays that cluster's.
 #![no_main]
 
 use flotilla_crds::FederatedMyApp;
-use flotilla_hub::placement::Members;
+use flotilla_plan::placement::Members;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -14,10 +14,9 @@ fuzz_target!(|data: &[u8]| {
         .into_iter()
         .map(|c| (c.to_owned(), Default::default()))
         .collect();
-    if let Ok(rendered) = flotilla_hub::render::render(&app, &members) {
-        for r in rendered.clusters.values().flatten() {
-            // The bytes pushed to agents are JSON.
-            let _ = r.to_value();
-        }
+    let planned = flotilla_plan::plan(&app, &members);
+    for r in planned.clusters.values().filter_map(|p| p.rendered()) {
+        // The bytes pushed to agents are JSON.
+        let _ = r.to_value();
     }
 });

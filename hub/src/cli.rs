@@ -15,9 +15,9 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use flotilla_common::kubeconfig::KubeArgs;
-
-use crate::placement::{Member, Members};
-use crate::render::{self, Rendered};
+use flotilla_plan::placement::{Member, Members};
+use flotilla_plan::plan::FAILED_OVER;
+use flotilla_plan::{AppPlan, ClusterPlan, KeepReason};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -113,17 +113,23 @@ pub fn render_command(args: &RenderArgs) -> anyhow::Result<RenderReport> {
         app.metadata.namespace.as_deref().unwrap_or("default"),
         app.metadata.name.as_deref().unwrap_or_default()
     );
-    let rendered = render::render(&app, &members).with_context(|| object.clone())?;
-    Ok(report(&object, &rendered, args.output))
+    let planned = flotilla_plan::plan(&app, &members);
+    if let Some(e) = planned.placement_error {
+        return Err(anyhow::Error::new(e).context(object));
+    }
+    Ok(report(&object, &planned, args.output))
 }
 
-fn report(object: &str, rendered: &Rendered, output: Output) -> RenderReport {
-    let mut stderr: Vec<String> = rendered
+fn report(object: &str, planned: &AppPlan, output: Output) -> RenderReport {
+    let mut stderr: Vec<String> = planned
         .warnings
         .iter()
         .map(|w| format!("warning: {object}: {w}"))
         .collect();
-    let schedule = &rendered.schedule;
+    let schedule = planned
+        .schedule
+        .as_ref()
+        .expect("a plan without an error has a schedule");
     let plain = schedule
         .clusters
         .values()
@@ -141,15 +147,19 @@ fn report(object: &str, rendered: &Rendered, output: Output) -> RenderReport {
         ));
     }
     // A failed-over cluster is not an error of the app: its copy is left as it is.
-    let failed_over = |e: &&render::ClusterError| matches!(e, render::ClusterError::FailedOver);
-    stderr.extend(rendered.errors().map(|(c, e)| {
-        let level = if failed_over(&e) { "note" } else { "error" };
-        format!("{level}: {object}, cluster {c}: {e}")
-    }));
-    let ok = rendered
+    let mut failed = false;
+    for (c, p) in &planned.clusters {
+        if let Some(e) = p.error() {
+            failed = true;
+            stderr.push(format!("error: {object}, cluster {c}: {e}"));
+        } else if *p == ClusterPlan::Keep(KeepReason::FailedOver) {
+            stderr.push(format!("note: {object}, cluster {c}: {FAILED_OVER}"));
+        }
+    }
+    let ok = planned
         .clusters
         .iter()
-        .filter_map(|(c, r)| Some((c, r.as_ref().ok()?.to_value())));
+        .filter_map(|(c, p)| Some((c, p.rendered()?.to_value())));
     let stdout = match output {
         Output::Json => {
             let map: serde_json::Map<String, Value> = ok.map(|(c, v)| (c.clone(), v)).collect();
@@ -167,7 +177,7 @@ fn report(object: &str, rendered: &Rendered, output: Output) -> RenderReport {
     RenderReport {
         stdout,
         stderr,
-        failed: rendered.errors().any(|(_, e)| !failed_over(&e)),
+        failed,
     }
 }
 

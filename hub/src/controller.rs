@@ -1,12 +1,12 @@
-//! Controller: reconciles each FederatedMyApp into the index (placement, render), keeps
-//! the finalizer, publishes Events, and plans every app again when the registered
+//! Controller: reconciles each FederatedMyApp into the index (`flotilla_plan::plan`),
+//! keeps the finalizer, publishes Events, and plans every app again when the registered
 //! clusters change.
 //!
 //! Nothing is planned before both stores (FederatedMyApps and MemberClusters) have
 //! listed: a plan made from a partial list would tell agents to delete what is wanted.
 //! The first full pass opens the gate for reconciles and for agents.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,12 +29,13 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use flotilla_plan::index::AppKey;
+use flotilla_plan::placement::Members;
+use flotilla_plan::plan;
+
 use crate::dispatch::Dispatcher;
-use crate::index::{AppKey, Desired};
 use crate::membership::{MemberChanges, registered};
-use crate::placement::Members;
-use crate::render::{self, ClusterError, RenderedMyApp};
-use crate::status::{Outcome, Plan, StatusBoard};
+use crate::status::{Planned, StatusBoard};
 
 /// Holds each FederatedMyApp until every member has deleted (or released) its MyApp.
 pub const FINALIZER: &str = "core.kubefed.io/flotilla-hub";
@@ -92,78 +93,32 @@ fn orphans(app: &FederatedMyApp) -> bool {
         .is_some_and(|v| v == "true")
 }
 
-/// What each cluster should have, and what status will say about it. Pure.
-pub fn plan_app(app: &FederatedMyApp, members: &Members) -> (Plan, BTreeMap<String, Desired>) {
-    let mut plan = Plan {
-        generation: app.metadata.generation,
-        ..Default::default()
-    };
-    let mut desired = BTreeMap::new();
-    match render::render(app, members) {
-        Err(e) => {
-            // Where it runs now is unknown: leave every cluster's copy as it is.
-            plan.placement_error = Some(e.to_string());
-            desired.extend(members.keys().map(|c| (c.clone(), Desired::Keep)));
-        }
-        Ok(rendered) => {
-            plan.schedule = Some(rendered.schedule);
-            // Clusters without overrides of their own get the same bytes: one shared copy
-            // (and hash) per distinct content, not one per cluster.
-            let mut distinct: HashMap<String, (Arc<str>, Arc<RenderedMyApp>)> = HashMap::new();
-            for (cluster, result) in rendered.clusters {
-                let outcome = match result {
-                    Ok(r) => {
-                        let (hash, shared) = distinct
-                            .entry(r.hash.clone())
-                            .or_insert_with(|| (Arc::from(r.hash.as_str()), Arc::new(r)))
-                            .clone();
-                        desired.insert(cluster.clone(), Desired::Apply(shared));
-                        Outcome::Rendered { hash }
-                    }
-                    Err(ClusterError::UnknownCluster) => Outcome::Failed {
-                        message: ClusterError::UnknownCluster.to_string(),
-                    },
-                    Err(ClusterError::FailedOver) => {
-                        // Static stability: what it runs stays until it is Ready again.
-                        desired.insert(cluster.clone(), Desired::Keep);
-                        Outcome::FailedOver
-                    }
-                    Err(e) => {
-                        desired.insert(cluster.clone(), Desired::Keep);
-                        Outcome::Failed {
-                            message: e.to_string(),
-                        }
-                    }
-                };
-                plan.clusters.insert(cluster, outcome);
-            }
-        }
-    }
-    (plan, desired)
-}
-
-/// Plans one app into the index and the status board, without the apiserver.
-fn index_app(app: &FederatedMyApp, members: &Members, ctx: &Context) -> Plan {
+/// Plans one app into the index, without the apiserver; returns the plan for the
+/// status board.
+fn index_app(app: &FederatedMyApp, members: &Members, ctx: &Context) -> Planned {
     let key = key_of(app);
-    let (plan, desired) = plan_app(app, members);
+    let plan = plan(app, members);
     ctx.dispatcher
-        .set_app(&key, app.metadata.generation, desired);
-    plan
+        .set_app(&key, app.metadata.generation, plan.desired());
+    Planned {
+        plan,
+        deleting_on: None,
+    }
 }
 
 /// Carries a deletion into the index (pure, like [`index_app`]): returns the plan with
 /// the clusters that have not yet confirmed the MyApp is gone, or released with
 /// `kubefed.io/orphan`. Only registered clusters are waited for: a cluster named in the
 /// placement that never joined, or that left, holds nothing the hub could ask about.
-fn index_deletion(app: &FederatedMyApp, members: &Members, ctx: &Context) -> Plan {
-    let (plan, desired) = plan_app(app, members);
-    let placed: Vec<String> = desired.into_keys().collect();
+fn index_deletion(app: &FederatedMyApp, members: &Members, ctx: &Context) -> Planned {
+    let plan = plan(app, members);
+    let placed: Vec<String> = plan.desired().into_keys().collect();
     let waiting = ctx
         .dispatcher
         .delete_app(&key_of(app), orphans(app), &placed);
-    Plan {
+    Planned {
+        plan,
         deleting_on: Some(waiting),
-        ..plan
     }
 }
 
@@ -178,14 +133,15 @@ pub fn plan_all(ctx: &Context, scope: Scope) -> Option<Duration> {
         if scope == Scope::ByCapacity && !by_capacity(&app) {
             continue;
         }
-        let plan = match app.metadata.deletion_timestamp {
+        let planned = match app.metadata.deletion_timestamp {
             None => index_app(&app, &members, ctx),
             Some(_) => index_deletion(&app, &members, ctx),
         };
-        if let Some(after) = plan.schedule.as_ref().and_then(|s| s.recheck_after) {
+        let schedule = planned.plan.schedule.as_ref();
+        if let Some(after) = schedule.and_then(|s| s.recheck_after) {
             recheck = Some(recheck.map_or(after, |r| r.min(after)));
         }
-        ctx.status.set_plan(&key_of(&app), plan);
+        ctx.status.set_plan(&key_of(&app), planned);
     }
     ctx.dispatcher
         .planned_for(members.into_keys().collect::<BTreeSet<_>>());
@@ -467,20 +423,21 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Option<Dur
         finalizers.push(FINALIZER.into());
         set_finalizers(&api, app, finalizers).await?;
     }
-    let plan = index_app(app, &members, ctx);
-    let failures: Vec<(String, String)> = plan
-        .clusters
-        .iter()
-        .filter_map(|(c, o)| match o {
-            Outcome::Failed { message } => Some((c.clone(), message.clone())),
-            Outcome::Rendered { .. } | Outcome::FailedOver => None,
-        })
+    let planned = index_app(app, &members, ctx);
+    let failures: Vec<(String, String)> = planned
+        .plan
+        .reported()
+        .filter_map(|(c, p)| Some((c.clone(), p.error()?)))
         .collect();
-    let placement_error = plan.placement_error.clone();
+    let placement_error = planned
+        .plan
+        .placement_error
+        .as_ref()
+        .map(ToString::to_string);
     // A grace period that ends, or replacements that may be Ready, change the division
     // with no change to the app: look again by then.
-    let recheck = plan.schedule.as_ref().and_then(|s| s.recheck_after);
-    if ctx.status.set_plan(&key, plan) {
+    let recheck = planned.plan.schedule.as_ref().and_then(|s| s.recheck_after);
+    if ctx.status.set_plan(&key, planned) {
         for (cluster, message) in failures {
             ctx.event(
                 app,
@@ -549,56 +506,6 @@ mod tests {
 
     fn app(yaml: &str) -> FederatedMyApp {
         serde_yaml::from_str(yaml).unwrap()
-    }
-
-    #[test]
-    fn failed_clusters_keep_their_copy_and_unknown_ones_get_nothing() {
-        let a = app(
-            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: a, namespace: n, generation: 3}\n\
-                     spec:\n  placement: {clusters: [{name: c1}, {name: c2}, {name: ghost}]}\n  template: {spec: {replicas: 2}}\n  \
-                     overrides:\n  - clusterName: c2\n    clusterOverrides: [{path: /spec/replicas, value: 99}]\n",
-        );
-        let members: Members = [
-            ("c1".to_owned(), Default::default()),
-            ("c2".to_owned(), Default::default()),
-        ]
-        .into();
-        let (plan, desired) = plan_app(&a, &members);
-        assert_eq!(plan.generation, Some(3));
-        assert!(matches!(desired["c1"], Desired::Apply(_)));
-        assert_eq!(desired["c2"], Desired::Keep);
-        assert!(!desired.contains_key("ghost"));
-        assert!(
-            matches!(&plan.clusters["ghost"], Outcome::Failed { message } if message.contains("not a registered MemberCluster"))
-        );
-        assert!(
-            matches!(&plan.clusters["c2"], Outcome::Failed { message } if message.contains("maximum of 10"))
-        );
-    }
-
-    #[test]
-    fn clusters_that_render_the_same_bytes_share_one_copy() {
-        let a = app(
-            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: a, namespace: n}\n\
-                     spec:\n  placement: {clusters: [{name: c1}, {name: c2}, {name: c3}]}\n  template: {spec: {replicas: 2}}\n  \
-                     overrides:\n  - clusterName: c3\n    clusterOverrides: [{path: /spec/replicas, value: 3}]\n",
-        );
-        let members: Members = ["c1", "c2", "c3"]
-            .map(|c| (c.to_owned(), Default::default()))
-            .into();
-        let (plan, desired) = plan_app(&a, &members);
-        let rendered = |c: &str| match &desired[c] {
-            Desired::Apply(r) => r.clone(),
-            other => panic!("{c}: {other:?}"),
-        };
-        let hash = |c: &str| match &plan.clusters[c] {
-            Outcome::Rendered { hash } => hash.clone(),
-            other => panic!("{c}: {other:?}"),
-        };
-        assert!(Arc::ptr_eq(&rendered("c1"), &rendered("c2")));
-        assert!(Arc::ptr_eq(&hash("c1"), &hash("c2")));
-        assert_eq!(*hash("c1"), *rendered("c1").hash);
-        assert_ne!(rendered("c1"), rendered("c3"), "c3's override is its own");
     }
 
     /// A capacity-only pass (every few seconds while pods come and go) must not drop
@@ -671,17 +578,5 @@ mod tests {
             vec![(key("a"), false)]
         );
         assert_eq!(list(&mut seen, &[]), vec![]);
-    }
-
-    #[test]
-    fn an_invalid_placement_keeps_every_cluster_as_it_is() {
-        let a = app(
-            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: a}\n\
-                     spec:\n  placement: {clusterSelector: {matchExpressions: [{key: k, operator: Bogus}]}}\n",
-        );
-        let members: Members = [("c1".to_owned(), Default::default())].into();
-        let (plan, desired) = plan_app(&a, &members);
-        assert!(plan.placement_error.unwrap().contains("unknown operator"));
-        assert_eq!(desired["c1"], Desired::Keep);
     }
 }

@@ -10,6 +10,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use flotilla_plan::index::{AppKey, Change, Desired, Held, Index, Push};
+use flotilla_proto::WireKey;
 use flotilla_proto::v1::{self as pb, hub_message::Kind};
 use indexmap::IndexMap;
 use parking_lot::Mutex;
@@ -22,7 +24,6 @@ use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::Identity;
-use crate::index::{AppKey, Change, Desired, Held, Index, Push};
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Slot {
@@ -388,8 +389,8 @@ fn route(state: &State, pushes: Vec<Push>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::render::RenderedMyApp;
     use bytes::Bytes;
+    use flotilla_plan::render::RenderedMyApp;
 
     fn apply(hash: &str) -> Desired {
         Desired::Apply(Arc::new(RenderedMyApp {

@@ -1,13 +1,14 @@
 //! The member side of `flotilla-hub join`: one YAML stream that `kubectl apply -f`
 //! installs in the member cluster. It is `deploy/base` (namespace, MyApp CRD with its
-//! conversion webhook, the agent's RBAC, Deployment and Service) with the agent switched
-//! to `run` against the hub, plus the credential Secret. Pure: no cluster is contacted.
+//! conversion webhook, the agent's RBAC, the FlowSchema of its Lease, Deployment and
+//! Service) with the agent switched to `run` against the hub, plus the credential
+//! Secret. Pure: no cluster is contacted.
 
 use base64::Engine;
 use serde_json::{Value, json};
 
 /// `deploy/base`, embedded so that the printed install and the kustomize base are one.
-const BASE: [(&str, &str); 5] = [
+const BASE: [(&str, &str); 6] = [
     (
         "deploy/base/namespace.yaml",
         include_str!("../../deploy/base/namespace.yaml"),
@@ -27,6 +28,10 @@ const BASE: [(&str, &str); 5] = [
     (
         "deploy/base/service.yaml",
         include_str!("../../deploy/base/service.yaml"),
+    ),
+    (
+        "deploy/base/flowschema.yaml",
+        include_str!("../../deploy/base/flowschema.yaml"),
     ),
 ];
 
@@ -340,12 +345,17 @@ mod tests {
                 "Secret/flotilla-hub-credentials",
                 "Deployment/flotilla-agent",
                 "Service/flotilla-agent",
+                "FlowSchema/flotilla-agent-leader-election",
             ]
         );
         for d in &docs {
             let namespaced = !matches!(
                 d["kind"].as_str().unwrap(),
-                "Namespace" | "CustomResourceDefinition" | "ClusterRole" | "ClusterRoleBinding"
+                "Namespace"
+                    | "CustomResourceDefinition"
+                    | "ClusterRole"
+                    | "ClusterRoleBinding"
+                    | "FlowSchema"
             );
             assert_eq!(
                 d["metadata"]["namespace"].as_str() == Some(NAMESPACE),
@@ -538,7 +548,7 @@ mod tests {
                 ..install()
             };
             let docs = parse(&render(&i).unwrap());
-            prop_assert_eq!(docs.len(), 10);
+            prop_assert_eq!(docs.len(), 11);
             let objects = by_kind_and_name(&docs);
             let secret_doc = objects["Secret/flotilla-hub-credentials"];
             prop_assert_eq!(b64d(&secret_doc["data"]["token"]), i.token.clone());

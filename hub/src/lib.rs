@@ -1,24 +1,23 @@
-//! The Flotilla hub. Modules follow the data flow:
-//! `placement` (which clusters), `schedule` (how many replicas each), `overrides`
-//! (per-cluster changes), `render` (template + schedule + overrides + schema check +
-//! hash; pure), `index` (desired state per cluster; pure), `dispatch` (per-agent queues
-//! over the index), `auth` (tokens), `server` (the gRPC service agents dial), `status`
-//! (reports → FederatedMyApp status), `membership` (MemberCluster watch, heartbeats and
-//! capacity → MemberCluster status), `controller` (FederatedMyApp reconcile, finalizer,
-//! planning passes), `install` (what `join` prints), `run` (wiring only, with
-//! `flotilla_common::leader` choosing the leading replica), `cli`.
+//! The Flotilla hub: the effects around the pure planning core (`flotilla-plan`, which
+//! places, schedules, renders and keeps the index). Modules follow the data flow:
+//! `controller` (FederatedMyApp reconcile into the index through `flotilla_plan::plan`,
+//! the finalizer, Events, planning passes), `dispatch` (per-agent queues over the index),
+//! `auth` (tokens), `server` (the gRPC service agents dial), `convert` (what the hub
+//! reads out of agents' messages), `status` (the board of plans and reports, and the
+//! writer of FederatedMyApp status), `membership` (MemberCluster watch, heartbeats and
+//! capacity → MemberCluster status), `install` (what `join` prints), `run` (wiring only,
+//! with `flotilla_common::leader` choosing the leading replica), `cli`.
+//!
+//! Public only what the binary, the fan-out benchmark (`flotilla-bench`) and the
+//! `agent_message` fuzz target (`convert`) reach.
 
 pub mod auth;
 pub mod cli;
 pub mod controller;
+pub mod convert;
 pub mod dispatch;
-pub mod index;
-pub mod install;
+pub(crate) mod install;
 pub mod membership;
-pub mod overrides;
-pub mod placement;
-pub mod render;
 pub mod run;
-pub mod schedule;
 pub mod server;
 pub mod status;

@@ -16,6 +16,7 @@ use flotilla_common::coalesce::Pending;
 use flotilla_crds::MemberCluster;
 use flotilla_crds::condition;
 use flotilla_crds::member::{ClusterCapacity, MemberClusterStatus};
+use flotilla_plan::placement::{self, Members, registered_of};
 use futures::{Stream, StreamExt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -29,24 +30,12 @@ use tracing::{info, warn};
 
 use crate::auth;
 use crate::dispatch::Dispatcher;
-use crate::placement::{self, Members};
 use crate::status::status_patch;
 
 /// Registered clusters (labels, cordon, readiness, capacity), leaving out those being
-/// deleted.
+/// deleted, as the store holds them now ([`registered_of`]).
 pub fn registered(members: &Store<MemberCluster>) -> Members {
     registered_of(members.state().iter().map(|m| &**m))
-}
-
-/// [`registered`] over any list of MemberClusters (the e2e convergence checker reads
-/// them from the host's apiserver).
-pub fn registered_of<'a>(clusters: impl IntoIterator<Item = &'a MemberCluster>) -> Members {
-    let now = k8s_openapi::jiff::Timestamp::now();
-    clusters
-        .into_iter()
-        .filter(|m| m.metadata.deletion_timestamp.is_none())
-        .map(|m| (m.name_any(), placement::Member::from_cluster(m, now)))
-        .collect()
 }
 
 /// Counts of changes to the registered clusters: of anything placement reads (names,
@@ -596,19 +585,6 @@ mod tests {
         writer.apply_watcher_event(&watcher::Event::Apply(shown));
         let due = restarted.due(&["c1".into()], &members, Instant::now());
         assert_eq!(due[0].1.capacity.as_ref(), Some(&room));
-    }
-
-    #[test]
-    fn registered_leaves_out_clusters_being_deleted() {
-        let (store, mut writer) = reflector::store::<MemberCluster>();
-        let mut gone = MemberCluster::new("gone", Default::default());
-        gone.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
-        writer.apply_watcher_event(&watcher::Event::Apply(gone));
-        writer.apply_watcher_event(&watcher::Event::Apply(MemberCluster::new(
-            "c1",
-            Default::default(),
-        )));
-        assert_eq!(registered(&store).keys().collect::<Vec<_>>(), ["c1"]);
     }
 
     #[test]

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use flotilla_crds::MemberCluster;
+use flotilla_plan::index::AppKey;
+use flotilla_proto::WireKey;
 use flotilla_proto::client::MAX_MESSAGE;
 use flotilla_proto::v1::federation_server::{Federation, FederationServer};
 use flotilla_proto::v1::{self as pb, agent_message};
@@ -23,11 +25,10 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
 use crate::auth::{self, AuthError};
+use crate::convert::{capacity_from_pb, report_from_pb};
 use crate::dispatch::{ClusterQueue, Dispatcher};
-use crate::index::AppKey;
 use crate::membership::{self, Membership};
-use crate::placement;
-use crate::status::{Report, StatusBoard};
+use crate::status::StatusBoard;
 
 /// Messages buffered towards one agent beyond its queue: small, since the queue itself
 /// collapses superseded versions and a full buffer is how backpressure reaches it.
@@ -275,7 +276,7 @@ async fn receive_loop(
                 let Some(key) = AppKey::from_wire(report.key.clone()) else {
                     continue;
                 };
-                let report = Report::from(report);
+                let report = report_from_pb(report);
                 if dispatcher.report(&queue, &key, report.held()) {
                     status.report(&cluster, &key, report);
                 } else {
@@ -297,7 +298,7 @@ async fn receive_loop(
             }
             Ok(Some(pb::AgentMessage {
                 kind: Some(agent_message::Kind::Capacity(c)),
-            })) => membership.capacity(&cluster, placement::capacity_from_pb(&c)),
+            })) => membership.capacity(&cluster, capacity_from_pb(&c)),
             Ok(Some(_)) => warn!(%cluster, "unexpected message ignored"),
             Ok(None) => break,
             Err(e) => {

@@ -278,11 +278,12 @@ pub async fn wait_http_ok(name: &str, http: &str, path: &str) -> Result<()> {
 /// Starts the hub and one agent per member unless they already run; returns when every
 /// MemberCluster is Ready.
 /// The hub's identity on the host as deploy/hub gives it: applies that kustomization's
-/// Namespace and RBAC, and writes a kubeconfig (in `dir`) with a token of its
-/// ServiceAccount, so that the hub runs with exactly those permissions.
+/// Namespace, RBAC and FlowSchema (its Lease requests in `leader-election`), and writes
+/// a kubeconfig (in `dir`) with a token of its ServiceAccount, so that the hub runs with
+/// exactly those permissions.
 fn hub_identity(host_kubeconfig: &Path, dir: &Path) -> Result<PathBuf> {
     let deploy = crate::support::workspace_root().join("deploy/hub");
-    for file in ["namespace.yaml", "rbac.yaml"] {
+    for file in ["namespace.yaml", "rbac.yaml", "flowschema.yaml"] {
         let path = deploy.join(file);
         kubectl(host_kubeconfig, &["apply", "-f", &path.to_string_lossy()])?;
     }

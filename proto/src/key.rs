@@ -1,42 +1,29 @@
-//! The key of a MyApp: its namespace and name, the same on the host (its FederatedMyApp)
-//! and in every member.
+//! The wire form of [`AppKey`] (the key type itself lives with the API types in
+//! `flotilla-crds`).
 
-use std::fmt;
+use flotilla_crds::AppKey;
 
 use crate::v1;
 
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct AppKey {
-    pub namespace: String,
-    pub name: String,
-}
-
-impl AppKey {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
-        Self {
-            namespace: namespace.into(),
-            name: name.into(),
-        }
-    }
-
+/// Reading and writing the `ObjectKey` a message carries.
+pub trait WireKey: Sized {
     /// The key a message carries; `None` when absent or with an empty part, which no
     /// Kubernetes object has.
-    pub fn from_wire(key: Option<v1::ObjectKey>) -> Option<Self> {
+    fn from_wire(key: Option<v1::ObjectKey>) -> Option<Self>;
+    fn to_wire(&self) -> v1::ObjectKey;
+}
+
+impl WireKey for AppKey {
+    fn from_wire(key: Option<v1::ObjectKey>) -> Option<Self> {
         key.filter(|k| !k.namespace.is_empty() && !k.name.is_empty())
             .map(|k| Self::new(k.namespace, k.name))
     }
 
-    pub fn to_wire(&self) -> v1::ObjectKey {
+    fn to_wire(&self) -> v1::ObjectKey {
         v1::ObjectKey {
             namespace: self.namespace.clone(),
             name: self.name.clone(),
         }
-    }
-}
-
-impl fmt::Display for AppKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
     }
 }
 

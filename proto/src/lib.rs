@@ -4,7 +4,8 @@
 pub mod client;
 mod key;
 
-pub use key::AppKey;
+pub use flotilla_crds::AppKey;
+pub use key::WireKey;
 
 #[allow(clippy::all)]
 pub mod v1 {

@@ -1,82 +1,87 @@
-//! Render: one FederatedMyApp and the registered clusters in, exactly the MyApp each
-//! placed cluster must run out. Pure: no I/O, no clock, equal inputs give equal bytes.
+//! Plan: one FederatedMyApp and the registered clusters in, what every cluster must have
+//! out. Pure: equal inputs give equal plans, byte for byte.
 //!
-//! Placement → schedule (replicas per cluster) → per cluster with replicas: template
-//! with the assigned replicas → that cluster's overrides → check against the MyApp CRD's
-//! own `v1` schema (the member's apiserver enforces it again) → content hash → JSON
-//! bytes, serialized once here so that pushing to an agent never re-serializes.
-//!
-//! Under a divided mode the schedule owns `/spec/replicas`: an override that changes it
-//! is that cluster's error (its copy is kept), since it would silently break the total.
+//! Placement (which clusters) → schedule (replicas per cluster) → per placed cluster
+//! with replicas: render (template + replicas + that cluster's overrides + schema check +
+//! hash). The result is one [`ClusterPlan`] per cluster, so that what the index is told
+//! and what status says cannot disagree: a cluster is sent a MyApp, kept as it is (and
+//! why), or named but unknown. The index reads it as [`Desired`] ([`AppPlan::desired`]),
+//! status as the clusters it reports on ([`AppPlan::reported`]).
 
-use std::collections::BTreeMap;
-use std::sync::LazyLock;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
-use bytes::Bytes;
 use flotilla_crds::FederatedMyApp;
 use flotilla_crds::federated::SchedulingReason;
-use jsonptr::{Pointer, Token};
-use serde_json::{Map, Value, json};
-use sha2::{Digest, Sha256};
 
-use crate::overrides::{self, Located, OverrideError};
-use crate::placement::{self, Members, SelectorError};
+use crate::index::Desired;
+use crate::overrides;
+use crate::placement::{self, Decision, Members, SelectorError};
+use crate::render::{RenderError, RenderedMyApp, Template};
 use crate::schedule::{self, Schedule, ScheduleError};
 
-pub use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, SOURCE_ANNOTATION};
+/// What status says of a cluster named in `spec.placement.clusters` that is not
+/// registered.
+pub const UNKNOWN_CLUSTER: &str =
+    "cluster is named in spec.placement.clusters but is not a registered MemberCluster";
+/// What status says of a cluster that failed over.
+pub const FAILED_OVER: &str = "NotReady past the failover grace period: its replicas moved to other clusters; its MyApp is left as it is until the cluster is Ready again";
 
-/// What one cluster gets.
+/// What the planner decided for one cluster.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RenderedMyApp {
-    /// Hex SHA-256 of the canonical JSON of the MyApp (before the hash annotation).
-    pub hash: String,
-    /// The MyApp as JSON, hash annotation included: what the agent applies.
-    pub json: Bytes,
+pub enum ClusterPlan {
+    /// Exactly this MyApp (shared by the clusters that got the same bytes).
+    Apply(Arc<RenderedMyApp>),
+    /// Whatever the member runs now stays: never a reason to delete it.
+    Keep(KeepReason),
+    /// Named in `spec.placement.clusters` but not a registered MemberCluster: nothing to
+    /// send, and nothing there to keep.
+    Unknown,
 }
 
-impl RenderedMyApp {
-    pub fn to_value(&self) -> Value {
-        serde_json::from_slice(&self.json).expect("rendered JSON parses")
+/// Why a cluster keeps what it runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeepReason {
+    /// Its MyApp cannot be rendered (an override, the schema): this cluster's error.
+    RenderFailed(Box<RenderError>),
+    /// NotReady past the failover grace period: its share runs elsewhere, its copy is
+    /// left as it was. Not an error, and not counted as placed.
+    FailedOver,
+    /// The app as a whole cannot be planned ([`AppPlan::placement_error`]): where it
+    /// runs now is unknown, so every registered cluster keeps what it has.
+    Unplanned,
+}
+
+impl ClusterPlan {
+    /// The MyApp to send, for an Apply.
+    pub fn rendered(&self) -> Option<&Arc<RenderedMyApp>> {
+        match self {
+            ClusterPlan::Apply(r) => Some(r),
+            ClusterPlan::Keep(_) | ClusterPlan::Unknown => None,
+        }
+    }
+
+    /// What a user must fix for this cluster, in words (status shows it as
+    /// `RenderFailed`, an Event repeats it): a failed render or an unknown cluster.
+    pub fn error(&self) -> Option<String> {
+        match self {
+            ClusterPlan::Keep(KeepReason::RenderFailed(e)) => Some(e.to_string()),
+            ClusterPlan::Unknown => Some(UNKNOWN_CLUSTER.to_owned()),
+            ClusterPlan::Apply(_) | ClusterPlan::Keep(_) => None,
+        }
+    }
+
+    /// What the index holds for the cluster; `None`: nothing (an unknown cluster).
+    pub fn desired(&self) -> Option<Desired> {
+        match self {
+            ClusterPlan::Apply(r) => Some(Desired::Apply(r.clone())),
+            ClusterPlan::Keep(_) => Some(Desired::Keep),
+            ClusterPlan::Unknown => None,
+        }
     }
 }
 
-/// Why one cluster gets nothing.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ClusterError {
-    #[error("cluster is named in spec.placement.clusters but is not a registered MemberCluster")]
-    UnknownCluster,
-    #[error("{0}")]
-    Override(#[from] OverrideError),
-    #[error(
-        "NotReady past the failover grace period: its replicas moved to other clusters; its MyApp is left as it is until the cluster is Ready again"
-    )]
-    FailedOver,
-    #[error(
-        "{culprit} changes /spec/replicas, which spec.placement.replicaScheduling sets to {assigned} for this cluster; bound it with replicaScheduling.preferences[].minReplicas/maxReplicas instead"
-    )]
-    ReplicasOverridden { assigned: u32, culprit: String },
-    #[error("the rendered MyApp is invalid at {path}: {reason}{}", culprit.as_ref().map(|f| format!(" (set by {f})")).unwrap_or_default())]
-    Invalid {
-        /// Pointer into the MyApp, e.g. `/spec/replicas`.
-        path: String,
-        reason: String,
-        /// The override that last wrote at or above `path`, if any; else the template.
-        culprit: Option<String>,
-    },
-}
-
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Rendered {
-    /// Every placed cluster and every unknown named one, sorted by name.
-    pub clusters: BTreeMap<String, Result<RenderedMyApp, ClusterError>>,
-    /// Things the user wrote that have no effect, e.g. overrides for unplaced clusters.
-    pub warnings: Vec<String>,
-    /// How many replicas each placed cluster runs and why (for status). Under Duplicated,
-    /// what each rendered MyApp asks for after overrides.
-    pub schedule: Schedule,
-}
-
-/// Why nothing of an app can be rendered: every cluster keeps what it has.
+/// Why nothing of an app can be planned: every cluster keeps what it has.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AppError {
     #[error(transparent)]
@@ -85,220 +90,143 @@ pub enum AppError {
     Schedule(#[from] ScheduleError),
 }
 
-impl Rendered {
-    pub fn errors(&self) -> impl Iterator<Item = (&str, &ClusterError)> {
+/// What the hub decided for one app at one generation.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AppPlan {
+    pub generation: Option<i64>,
+    /// The placement or the division as a whole is invalid; then every registered
+    /// cluster is [`KeepReason::Unplanned`].
+    pub placement_error: Option<AppError>,
+    /// Replicas per placed cluster and why, for `status.clusters[].replicas`. Under
+    /// Duplicated, what each rendered MyApp asks for after overrides.
+    pub schedule: Option<Schedule>,
+    /// Placed clusters and named unknown ones (every registered cluster when the app
+    /// cannot be planned), sorted by name.
+    pub clusters: BTreeMap<String, ClusterPlan>,
+    /// Things the user wrote that have no effect, e.g. overrides for unplaced clusters.
+    pub warnings: Vec<String>,
+}
+
+impl AppPlan {
+    /// The index's view: what each cluster should have.
+    pub fn desired(&self) -> BTreeMap<String, Desired> {
         self.clusters
             .iter()
-            .filter_map(|(c, r)| r.as_ref().err().map(|e| (c.as_str(), e)))
+            .filter_map(|(c, p)| Some((c.clone(), p.desired()?)))
+            .collect()
+    }
+
+    /// The clusters status reports on: all but those kept because the app as a whole
+    /// could not be planned (the app's error says why).
+    pub fn reported(&self) -> impl Iterator<Item = (&String, &ClusterPlan)> {
+        self.clusters
+            .iter()
+            .filter(|(_, p)| **p != ClusterPlan::Keep(KeepReason::Unplanned))
     }
 }
 
-/// Places, schedules and renders one FederatedMyApp. Fails as a whole only when the
-/// placement or the division is invalid; each cluster's failure is that cluster's alone.
-pub fn render(app: &FederatedMyApp, members: &Members) -> Result<Rendered, AppError> {
+/// Places, schedules and renders one FederatedMyApp. The app fails as a whole only when
+/// the placement or the division is invalid; each cluster's failure is that cluster's
+/// alone.
+pub fn plan(app: &FederatedMyApp, members: &Members) -> AppPlan {
+    let generation = app.metadata.generation;
+    match place_and_schedule(app, members) {
+        Ok((decision, schedule)) => placed(app, decision, schedule, generation),
+        Err(e) => AppPlan {
+            generation,
+            placement_error: Some(e),
+            clusters: members
+                .keys()
+                .map(|c| (c.clone(), ClusterPlan::Keep(KeepReason::Unplanned)))
+                .collect(),
+            ..AppPlan::default()
+        },
+    }
+}
+
+fn place_and_schedule(
+    app: &FederatedMyApp,
+    members: &Members,
+) -> Result<(Decision, Schedule), AppError> {
     let decision = placement::place(&app.spec.placement, members)?;
     let inputs = schedule::Inputs::for_app(app, &decision.clusters, members)?;
-    let mut out = Rendered {
-        schedule: schedule::schedule(&inputs)?,
-        ..Rendered::default()
-    };
-    for o in &app.spec.overrides {
-        if decision.clusters.binary_search(&o.cluster_name).is_err() {
-            out.warnings.push(format!(
-                "overrides for cluster {} are ignored: it is not placed",
-                o.cluster_name
-            ));
-        }
-    }
-    let base = template_doc(app);
-    let namespace = app.metadata.namespace.as_deref().unwrap_or("default");
-    let name = app.metadata.name.as_deref().unwrap_or_default();
+    let schedule = schedule::schedule(&inputs)?;
+    Ok((decision, schedule))
+}
+
+/// Renders each placed cluster that runs replicas. Clusters that render the same bytes
+/// share one copy (and hash): one per distinct content, not one per cluster.
+fn placed(
+    app: &FederatedMyApp,
+    decision: Decision,
+    mut schedule: Schedule,
+    generation: Option<i64>,
+) -> AppPlan {
+    let warnings = unplaced_overrides(app, &decision.clusters);
+    let template = Template::of(app);
+    let mut distinct: HashMap<String, Arc<RenderedMyApp>> = HashMap::new();
+    let mut clusters = BTreeMap::new();
     for cluster in &decision.clusters {
-        let Some(assigned) = out.schedule.clusters.get_mut(cluster) else {
+        let Some(assigned) = schedule.clusters.get_mut(cluster) else {
             continue;
         };
         if assigned.reason == SchedulingReason::FailedOver {
-            out.clusters
-                .insert(cluster.clone(), Err(ClusterError::FailedOver));
+            clusters.insert(cluster.clone(), ClusterPlan::Keep(KeepReason::FailedOver));
             continue;
         }
         if assigned.replicas == 0 {
             continue;
         }
         let ops = overrides::for_cluster(&app.spec.overrides, cluster);
-        let replicas = out.schedule.divided.then_some(assigned.replicas);
-        let result = render_one(&base, &ops, namespace, name, replicas);
-        if let (false, Ok(r)) = (out.schedule.divided, &result) {
-            let asked = r.to_value()["spec"]["replicas"].as_u64().unwrap_or(1);
-            assigned.replicas = asked as u32;
-        }
-        out.clusters.insert(cluster.clone(), result);
+        let replicas = schedule.divided.then_some(assigned.replicas);
+        let planned = match template.render(&ops, replicas) {
+            Ok(r) => {
+                if !schedule.divided {
+                    let asked = r.to_value()["spec"]["replicas"].as_u64().unwrap_or(1);
+                    assigned.replicas = asked as u32;
+                }
+                let shared = distinct
+                    .entry(r.hash.clone())
+                    .or_insert_with(|| Arc::new(r));
+                ClusterPlan::Apply(shared.clone())
+            }
+            Err(e) => ClusterPlan::Keep(KeepReason::RenderFailed(Box::new(e))),
+        };
+        clusters.insert(cluster.clone(), planned);
     }
     for cluster in decision.unknown {
-        out.clusters
-            .insert(cluster, Err(ClusterError::UnknownCluster));
+        clusters.insert(cluster, ClusterPlan::Unknown);
     }
-    Ok(out)
+    AppPlan {
+        generation,
+        placement_error: None,
+        schedule: Some(schedule),
+        clusters,
+        warnings,
+    }
 }
 
-/// The template as the document overrides address, with empty label and annotation
-/// maps present so that `add /metadata/labels/x` works on a template without metadata.
-fn template_doc(app: &FederatedMyApp) -> Value {
-    let mut doc = serde_json::to_value(&app.spec.template).expect("typed template serializes");
-    let metadata = doc
-        .as_object_mut()
-        .expect("template is an object")
-        .entry("metadata");
-    let metadata = metadata.or_insert_with(|| json!({}));
-    for key in ["labels", "annotations"] {
-        metadata
-            .as_object_mut()
-            .expect("metadata is an object")
-            .entry(key)
-            .or_insert_with(|| json!({}));
-    }
-    doc
-}
-
-const REPLICAS: &Pointer = Pointer::from_static("/spec/replicas");
-
-fn render_one(
-    base: &Value,
-    ops: &[Located<'_>],
-    namespace: &str,
-    name: &str,
-    replicas: Option<u32>,
-) -> Result<RenderedMyApp, ClusterError> {
-    let mut doc = base.clone();
-    if let Some(n) = replicas {
-        doc["spec"]["replicas"] = json!(n);
-    }
-    overrides::apply(&mut doc, ops)?;
-    if let Some(n) = replicas
-        && doc.pointer(REPLICAS.as_str()) != Some(&json!(n))
-    {
-        return Err(ClusterError::ReplicasOverridden {
-            assigned: n,
-            culprit: culprit(ops, REPLICAS).unwrap_or_else(|| "an override".into()),
-        });
-    }
-    let invalid = |path: String, reason: String| ClusterError::Invalid {
-        culprit: Pointer::parse(&path).ok().and_then(|p| culprit(ops, p)),
-        path,
-        reason,
-    };
-    let mut labels = string_map(&doc, "labels").map_err(|(p, r)| invalid(p, r))?;
-    let mut annotations = string_map(&doc, "annotations").map_err(|(p, r)| invalid(p, r))?;
-    labels.insert(MANAGED_BY_LABEL.into(), MANAGED_BY_VALUE.into());
-    annotations.insert(
-        SOURCE_ANNOTATION.into(),
-        format!("{namespace}/{name}").into(),
-    );
-    let mut spec = match doc.get_mut("spec") {
-        None | Some(Value::Null) => json!({}),
-        Some(spec) => spec.take(),
-    };
-    strip_nulls(&mut spec);
-    let mut myapp = json!({
-        "apiVersion": "app.example.com/v1",
-        "kind": "MyApp",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations},
-        "spec": spec,
-    });
-    if let Some(e) = MYAPP_SCHEMA.iter_errors(&myapp).next() {
-        return Err(invalid(e.instance_path().to_string(), e.to_string()));
-    }
-    let hash = content_hash(&myapp);
-    myapp["metadata"]["annotations"][HASH_ANNOTATION] = Value::String(hash.clone());
-    let json = serde_json::to_vec(&myapp).expect("a JSON value serializes");
-    Ok(RenderedMyApp {
-        hash,
-        json: Bytes::from(json),
-    })
-}
-
-/// Labels and annotations must stay maps of strings whatever the overrides did.
-fn string_map(doc: &Value, key: &str) -> Result<Map<String, Value>, (String, String)> {
-    let path = jsonptr::PointerBuf::from_tokens(["metadata", key]);
-    let map = match doc.pointer(path.as_str()) {
-        None | Some(Value::Null) => return Ok(Map::new()),
-        Some(Value::Object(map)) => map,
-        Some(_) => return Err((path.to_string(), "must be a map of strings".into())),
-    };
-    if let Some((k, _)) = map.iter().find(|(_, v)| !v.is_string()) {
-        let path = path.with_trailing_token(Token::new(k.as_str()));
-        return Err((path.to_string(), "must be a string".into()));
-    }
-    Ok(map.clone())
-}
-
-/// The last override that wrote at, above or below `path`: the one to blame.
-fn culprit(ops: &[Located<'_>], path: &Pointer) -> Option<String> {
-    ops.iter()
-        .rev()
-        .find(|o| {
-            Pointer::parse(&o.op.path).is_ok_and(|op| path.starts_with(op) || op.starts_with(path))
+fn unplaced_overrides(app: &FederatedMyApp, placed: &[String]) -> Vec<String> {
+    app.spec
+        .overrides
+        .iter()
+        .filter(|o| placed.binary_search(&o.cluster_name).is_err())
+        .map(|o| {
+            format!(
+                "overrides for cluster {} are ignored: it is not placed",
+                o.cluster_name
+            )
         })
-        .map(Located::field)
-}
-
-/// The MyApp CRD's `v1` schema, compiled once.
-static MYAPP_SCHEMA: LazyLock<jsonschema::Validator> = LazyLock::new(|| {
-    jsonschema::validator_for(&flotilla_crds::myapp_v1_schema())
-        .expect("the MyApp CRD schema compiles")
-});
-
-/// Drops `null` members: every optional MyApp field reads `null` as absent, and without
-/// them the schema check need not know OpenAPI's `nullable`.
-fn strip_nulls(value: &mut Value) {
-    match value {
-        Value::Object(map) => {
-            map.retain(|_, v| !v.is_null());
-            map.values_mut().for_each(strip_nulls);
-        }
-        Value::Array(items) => items.iter_mut().for_each(strip_nulls),
-        _ => {}
-    }
-}
-
-/// SHA-256 over a canonical encoding: object keys sorted, so the hash does not depend
-/// on key order.
-pub fn content_hash(value: &Value) -> String {
-    let mut hasher = Sha256::new();
-    feed(&mut hasher, value);
-    hex::encode(hasher.finalize())
-}
-
-fn feed(h: &mut Sha256, value: &Value) {
-    match value {
-        Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().collect();
-            keys.sort();
-            h.update(b"{");
-            for k in keys {
-                feed(h, &Value::String(k.clone()));
-                h.update(b":");
-                feed(h, &map[k]);
-                h.update(b",");
-            }
-            h.update(b"}");
-        }
-        Value::Array(items) => {
-            h.update(b"[");
-            for item in items {
-                feed(h, item);
-                h.update(b",");
-            }
-            h.update(b"]");
-        }
-        scalar => h.update(scalar.to_string().as_bytes()),
-    }
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use flotilla_crds::federated::ClusterOverrides;
+    use serde_json::{Value, json};
+
+    use crate::render::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, SOURCE_ANNOTATION};
 
     const SEED: &str = include_str!("../../examples/federatedmyapp.yaml");
 
@@ -313,27 +241,43 @@ mod tests {
             .collect()
     }
 
-    fn replicas(r: &Rendered) -> BTreeMap<&str, Value> {
+    /// The plan, or the app's error when it has one.
+    fn render(app: &FederatedMyApp, members: &Members) -> Result<AppPlan, AppError> {
+        let planned = plan(app, members);
+        match planned.placement_error {
+            Some(e) => Err(e),
+            None => Ok(planned),
+        }
+    }
+
+    fn replicas(r: &AppPlan) -> BTreeMap<&str, Value> {
         r.clusters
             .iter()
             .filter_map(|(c, m)| {
                 Some((
                     c.as_str(),
-                    m.as_ref().ok()?.to_value()["spec"]["replicas"].clone(),
+                    m.rendered()?.to_value()["spec"]["replicas"].clone(),
                 ))
             })
             .collect()
     }
 
-    fn ok(r: &Rendered, cluster: &str) -> Value {
+    fn ok(r: &AppPlan, cluster: &str) -> Value {
         r.clusters[cluster]
-            .as_ref()
+            .rendered()
             .expect("cluster renders")
             .to_value()
     }
 
-    fn err<'a>(r: &'a Rendered, cluster: &str) -> &'a ClusterError {
-        r.clusters[cluster].as_ref().expect_err("cluster fails")
+    fn err<'a>(r: &'a AppPlan, cluster: &str) -> &'a RenderError {
+        match &r.clusters[cluster] {
+            ClusterPlan::Keep(KeepReason::RenderFailed(e)) => e,
+            other => panic!("cluster fails: {other:?}"),
+        }
+    }
+
+    fn is_ok(r: &AppPlan, cluster: &str) -> bool {
+        r.clusters[cluster].rendered().is_some()
     }
 
     fn with_overrides(overrides: &str) -> FederatedMyApp {
@@ -366,8 +310,8 @@ mod tests {
     #[test]
     fn hash_annotation_matches_and_differs_per_content() {
         let r = render(&app(SEED), &members(&["cluster1", "cluster2"])).unwrap();
-        let one = r.clusters["cluster1"].as_ref().unwrap();
-        let two = r.clusters["cluster2"].as_ref().unwrap();
+        let one = r.clusters["cluster1"].rendered().unwrap();
+        let two = r.clusters["cluster2"].rendered().unwrap();
         assert_eq!(
             one.to_value()["metadata"]["annotations"][HASH_ANNOTATION],
             one.hash.as_str()
@@ -381,24 +325,6 @@ mod tests {
         let a = render(&app(SEED), &members(&["cluster1", "cluster2"])).unwrap();
         let b = render(&app(SEED), &members(&["cluster2", "cluster1"])).unwrap();
         assert_eq!(a, b);
-    }
-
-    #[test]
-    fn content_hash_ignores_key_order_but_not_values() {
-        let a: Value = serde_json::from_str(r#"{"a":1,"b":{"x":[1,2],"y":"s"}}"#).unwrap();
-        let b: Value = serde_json::from_str(r#"{"b":{"y":"s","x":[1,2]},"a":1}"#).unwrap();
-        let c: Value = serde_json::from_str(r#"{"b":{"y":"s","x":[2,1]},"a":1}"#).unwrap();
-        assert_eq!(content_hash(&a), content_hash(&b));
-        assert_ne!(content_hash(&a), content_hash(&c));
-        // Distinct structures must not collide through the encoding.
-        assert_ne!(
-            content_hash(&json!(["a,b"])),
-            content_hash(&json!(["a", "b"]))
-        );
-        assert_ne!(
-            content_hash(&json!({"a": "1"})),
-            content_hash(&json!({"a": 1}))
-        );
     }
 
     #[test]
@@ -432,8 +358,8 @@ mod tests {
             "  - clusterName: c2\n    clusterOverrides:\n    - {path: /spec/replicas, value: five}\n",
         );
         let r = render(&a, &members(&["c1", "c2"])).unwrap();
-        assert!(r.clusters["c1"].is_ok(), "the other cluster still renders");
-        let ClusterError::Invalid {
+        assert!(is_ok(&r, "c1"), "the other cluster still renders");
+        let RenderError::Invalid {
             path,
             reason,
             culprit,
@@ -490,8 +416,8 @@ mod tests {
             "  - clusterName: c2\n    clusterOverrides:\n    - {op: remove, path: /spec/port}\n",
         );
         let r = render(&a, &members(&["c1", "c2"])).unwrap();
-        assert!(r.clusters["c1"].is_ok());
-        let ClusterError::Override(e) = err(&r, "c2") else {
+        assert!(is_ok(&r, "c1"));
+        let RenderError::Override(e) = err(&r, "c2") else {
             panic!()
         };
         assert_eq!((e.op, e.path.as_str()), ("remove", "/spec/port"));
@@ -513,8 +439,12 @@ mod tests {
     #[test]
     fn unknown_named_clusters_are_reported_and_the_rest_render() {
         let r = render(&app(SEED), &members(&["cluster1"])).unwrap();
-        assert!(r.clusters["cluster1"].is_ok());
-        assert_eq!(err(&r, "cluster2"), &ClusterError::UnknownCluster);
+        assert!(is_ok(&r, "cluster1"));
+        assert_eq!(r.clusters["cluster2"], ClusterPlan::Unknown);
+        assert_eq!(
+            r.clusters["cluster2"].error().as_deref(),
+            Some(UNKNOWN_CLUSTER)
+        );
     }
 
     #[test]
@@ -554,7 +484,7 @@ mod tests {
         a.spec.template.spec.replicas = Some(42);
         a.spec.overrides = vec![ClusterOverrides::default()];
         let r = render(&a, &members(&["cluster1", "cluster2"])).unwrap();
-        let ClusterError::Invalid { culprit, .. } = err(&r, "cluster1") else {
+        let RenderError::Invalid { culprit, .. } = err(&r, "cluster1") else {
             panic!()
         };
         assert_eq!(culprit, &None);
@@ -600,8 +530,9 @@ mod tests {
         let r = render(&weighted(""), &members(&["c1", "c2", "c3"])).unwrap();
         assert_eq!(replicas(&r), [("c1", json!(8)), ("c2", json!(4))].into());
         assert!(!r.clusters.contains_key("c3"), "assigned 0: no MyApp");
-        assert_eq!(r.schedule.clusters["c3"].replicas, 0);
-        assert_eq!(r.schedule.total(), 12);
+        let schedule = r.schedule.as_ref().unwrap();
+        assert_eq!(schedule.clusters["c3"].replicas, 0);
+        assert_eq!(schedule.total(), 12);
     }
 
     #[test]
@@ -615,10 +546,10 @@ mod tests {
                 "  overrides:\n  - clusterName: c2\n    clusterOverrides:\n    - {{op: add, path: /spec/port, value: 80}}\n    - {op}\n"
             ));
             let r = render(&a, &members(&["c1", "c2", "c3"])).unwrap();
-            assert!(r.clusters["c1"].is_ok());
+            assert!(is_ok(&r, "c1"));
             assert_eq!(
                 err(&r, "c2"),
-                &ClusterError::ReplicasOverridden {
+                &RenderError::ReplicasOverridden {
                     assigned: 4,
                     culprit: "spec.overrides[0].clusterOverrides[1]".into()
                 },
@@ -629,15 +560,18 @@ mod tests {
         let a = weighted(
             "  overrides:\n  - clusterName: c2\n    clusterOverrides:\n    - {path: /spec/replicas, value: 4}\n",
         );
-        assert!(render(&a, &members(&["c1", "c2", "c3"])).unwrap().clusters["c2"].is_ok());
+        assert!(is_ok(
+            &render(&a, &members(&["c1", "c2", "c3"])).unwrap(),
+            "c2"
+        ));
     }
 
     #[test]
     fn duplicated_status_shows_what_each_cluster_runs_after_overrides() {
         let r = render(&app(SEED), &members(&["cluster1", "cluster2"])).unwrap();
-        assert!(!r.schedule.divided);
-        let got: Vec<_> = r
-            .schedule
+        let schedule = r.schedule.as_ref().unwrap();
+        assert!(!schedule.divided);
+        let got: Vec<_> = schedule
             .clusters
             .values()
             .map(|a| (a.replicas, a.reason))
@@ -682,7 +616,7 @@ mod tests {
             .unwrap()
             .total_replicas = Some(9);
         let r = render(&a, &m).unwrap();
-        assert_eq!(err(&r, "c1"), &ClusterError::FailedOver);
+        assert_eq!(r.clusters["c1"], ClusterPlan::Keep(KeepReason::FailedOver));
         assert_eq!(replicas(&r), [("c2", json!(9))].into());
         assert!(!r.clusters.contains_key("c3"));
     }
@@ -702,6 +636,68 @@ mod tests {
         let mut dup = a.clone();
         dup.spec.placement.replica_scheduling = None;
         assert!(render(&dup, &members(&["c1"])).is_ok());
+    }
+
+    // ---- the views: what the index is told, what status reports on ----
+
+    #[test]
+    fn failed_clusters_keep_their_copy_and_unknown_ones_get_nothing() {
+        let a = app(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: a, namespace: n, generation: 3}\n\
+                     spec:\n  placement: {clusters: [{name: c1}, {name: c2}, {name: ghost}]}\n  template: {spec: {replicas: 2}}\n  \
+                     overrides:\n  - clusterName: c2\n    clusterOverrides: [{path: /spec/replicas, value: 99}]\n",
+        );
+        let members = members(&["c1", "c2"]);
+        let p = plan(&a, &members);
+        let desired = p.desired();
+        assert_eq!(p.generation, Some(3));
+        assert!(matches!(desired["c1"], Desired::Apply(_)));
+        assert_eq!(desired["c2"], Desired::Keep);
+        assert!(!desired.contains_key("ghost"));
+        assert!(
+            matches!(p.clusters["ghost"].error(), Some(message) if message.contains("not a registered MemberCluster"))
+        );
+        assert!(
+            matches!(p.clusters["c2"].error(), Some(message) if message.contains("maximum of 10"))
+        );
+    }
+
+    #[test]
+    fn clusters_that_render_the_same_bytes_share_one_copy() {
+        let a = app(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: a, namespace: n}\n\
+                     spec:\n  placement: {clusters: [{name: c1}, {name: c2}, {name: c3}]}\n  template: {spec: {replicas: 2}}\n  \
+                     overrides:\n  - clusterName: c3\n    clusterOverrides: [{path: /spec/replicas, value: 3}]\n",
+        );
+        let p = plan(&a, &members(&["c1", "c2", "c3"]));
+        let rendered = |c: &str| match &p.desired()[c] {
+            Desired::Apply(r) => r.clone(),
+            other => panic!("{c}: {other:?}"),
+        };
+        assert!(Arc::ptr_eq(&rendered("c1"), &rendered("c2")));
+        assert!(Arc::ptr_eq(
+            &rendered("c1"),
+            p.clusters["c2"].rendered().unwrap()
+        ));
+        assert_ne!(rendered("c1"), rendered("c3"), "c3's override is its own");
+    }
+
+    #[test]
+    fn an_invalid_placement_keeps_every_cluster_as_it_is() {
+        let a = app(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: a}\n\
+                     spec:\n  placement: {clusterSelector: {matchExpressions: [{key: k, operator: Bogus}]}}\n",
+        );
+        let p = plan(&a, &members(&["c1"]));
+        assert!(
+            p.placement_error
+                .as_ref()
+                .unwrap()
+                .to_string()
+                .contains("unknown operator")
+        );
+        assert_eq!(p.desired()["c1"], Desired::Keep);
+        assert_eq!(p.reported().count(), 0, "status speaks of no cluster");
     }
 
     mod properties {
@@ -804,10 +800,9 @@ mod tests {
                     if !named {
                         prop_assert_eq!(result, &plain.clusters[cluster]);
                     }
-                    if let Err(e) = result {
+                    if let Some(e) = result.error() {
                         prop_assert!(named, "{cluster} failed without an override: {e}");
-                        let culprit = e.to_string();
-                        prop_assert!(!culprit.is_empty());
+                        prop_assert!(!e.is_empty());
                     }
                 }
                 // Overrides for a cluster that is not placed only warn.

@@ -4,6 +4,10 @@
 //! empty selector selects every registered cluster; with neither, nothing is placed. A
 //! named cluster that is not registered is reported, never silently dropped. The result
 //! is sorted and free of duplicates, so equal inputs give equal outputs.
+//!
+//! What placement and scheduling read of a registered cluster is a [`Member`], made from
+//! its MemberCluster ([`Member::from_cluster`], [`registered_of`]): labels, cordon,
+//! readiness and the capacity its agent last reported.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -13,6 +17,7 @@ use flotilla_crds::federated::Placement;
 use flotilla_crds::member::ClusterCapacity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use kube::core::{Selector, SelectorExt};
 
 pub type Labels = BTreeMap<String, String>;
@@ -59,21 +64,16 @@ impl Member {
 /// Registered member clusters by name.
 pub type Members = BTreeMap<String, Member>;
 
-/// An agent's capacity report as `MemberCluster.status.capacity` shows it.
-pub fn capacity_from_pb(c: &flotilla_proto::v1::Capacity) -> ClusterCapacity {
-    use flotilla_crds::member::Resources;
-    let r = |r: &Option<flotilla_proto::v1::Resources>| {
-        r.as_ref().map_or_else(Resources::default, |r| Resources {
-            cpu_millis: r.cpu_millis,
-            memory_bytes: r.memory_bytes,
-        })
-    };
-    ClusterCapacity {
-        nodes: c.nodes,
-        allocatable: r(&c.allocatable),
-        requested: r(&c.requested),
-        largest_free: r(&c.largest_free),
-    }
+/// The registered clusters as planning reads them (labels, cordon, readiness, capacity),
+/// leaving out those being deleted; readiness is judged now. The hub reads its
+/// MemberCluster store through this; the e2e convergence checker, the host's list.
+pub fn registered_of<'a>(clusters: impl IntoIterator<Item = &'a MemberCluster>) -> Members {
+    let now = Timestamp::now();
+    clusters
+        .into_iter()
+        .filter(|m| m.metadata.deletion_timestamp.is_none())
+        .map(|m| (m.name_any(), Member::from_cluster(m, now)))
+        .collect()
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -322,41 +322,6 @@ mod tests {
         );
     }
 
-    #[test]
-    fn capacity_from_the_wire() {
-        use flotilla_proto::v1 as pb;
-        let wire = pb::Capacity {
-            nodes: 2,
-            allocatable: Some(pb::Resources {
-                cpu_millis: 4000,
-                memory_bytes: 8,
-            }),
-            requested: None,
-            largest_free: Some(pb::Resources {
-                cpu_millis: 1,
-                memory_bytes: 2,
-            }),
-        };
-        let c = capacity_from_pb(&wire);
-        assert_eq!(
-            (
-                c.nodes,
-                c.allocatable.cpu_millis,
-                c.allocatable.memory_bytes
-            ),
-            (2, 4000, 8)
-        );
-        assert_eq!(
-            c.requested,
-            Default::default(),
-            "absent reads as nothing requested"
-        );
-        assert_eq!(
-            (c.largest_free.cpu_millis, c.largest_free.memory_bytes),
-            (1, 2)
-        );
-    }
-
     fn cluster(yaml: &str) -> MemberCluster {
         serde_yaml::from_str(yaml).unwrap()
     }
@@ -393,6 +358,18 @@ mod tests {
                 "{status}"
             );
         }
+    }
+
+    #[test]
+    fn registered_leaves_out_clusters_being_deleted() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let mut gone = MemberCluster::new("gone", Default::default());
+        gone.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+        let c1 = MemberCluster::new("c1", Default::default());
+        assert_eq!(
+            registered_of([&gone, &c1]).keys().collect::<Vec<_>>(),
+            ["c1"]
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! Index: what every member cluster should run, built from render outcomes, and what
-//! each connected agent reports it runs. Pure state: every method returns the messages
-//! to push and does no I/O, so that `dispatch` decides when and how they travel.
+//! Index: what every member cluster should run, built from plans (`AppPlan::desired`),
+//! and what each connected agent reports it runs. Pure state: every method returns the
+//! messages to push and does no I/O, so that the hub's `dispatch` decides when and how
+//! they travel.
 //!
 //! What it guarantees (DESIGN.md, safety rules 1–3): an app's desired state never moves
 //! back to an older generation; a deletion waits for every registered cluster that has
@@ -10,7 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
-pub use flotilla_proto::AppKey;
+pub use flotilla_crds::AppKey;
 
 use crate::render::RenderedMyApp;
 

@@ -1,0 +1,30 @@
+//! Flotilla's planning core: from one FederatedMyApp and the registered clusters, what
+//! every cluster must run, and from agents' reports, what the app's status says. Pure:
+//! no I/O, no async runtime, no Kubernetes client; equal inputs give equal outputs. The
+//! hub (`flotilla-hub`) carries the effects: watches, the gRPC service, the writers.
+//!
+//! Modules follow the data flow:
+//! - [`placement`]: which registered clusters an app goes to, and what planning reads of
+//!   a MemberCluster ([`placement::Member`]);
+//! - [`schedule`]: how many replicas each placed cluster runs, as named steps
+//!   (validate, classify, spread, apportion, assign, transition);
+//! - [`overrides`]: one cluster's RFC 6902 operations on the template;
+//! - [`render`]: one cluster's MyApp (template + replicas + overrides + schema check +
+//!   content hash);
+//! - [`mod@plan`]: the entry point, [`plan()`]: placement → schedule → render per cluster,
+//!   into one [`AppPlan`] whose per-cluster [`ClusterPlan`] says apply, keep or nothing;
+//! - [`index`]: the desired set per cluster and what agents hold, the state machine the
+//!   safety rules live in;
+//! - [`status`]: the fold of a plan and agents' reports into `FederatedMyApp.status`.
+#![warn(clippy::too_many_lines)]
+
+pub mod index;
+pub mod overrides;
+pub mod placement;
+pub mod plan;
+pub mod render;
+pub mod schedule;
+pub mod status;
+
+pub use flotilla_crds::AppKey;
+pub use plan::{AppPlan, ClusterPlan, KeepReason, plan};

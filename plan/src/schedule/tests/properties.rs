@@ -1,0 +1,95 @@
+//! Properties of the whole schedule over random clusters (regression seeds in
+//! `proptest-regressions/schedule/tests/properties.txt`).
+
+use super::*;
+use proptest::prelude::*;
+use proptest::strategy::Strategy;
+
+/// Per cluster: weight, free CPU (millis), cordoned, NotReady for (seconds).
+type ArbCluster = (u64, i64, bool, Option<u64>);
+
+fn arb_case() -> impl Strategy<Value = (u32, Vec<ArbCluster>, u8)> {
+    (
+        0u32..40,
+        prop::collection::vec(
+            (
+                0u64..5,
+                0i64..4000,
+                any::<bool>(),
+                prop::option::of(0u64..400),
+            ),
+            1..6,
+        ),
+        0u8..2,
+    )
+}
+
+fn build(total: u32, clusters: &[ArbCluster], mode: u8) -> Case {
+    let mode = if mode == 0 { "Weighted" } else { "Capacity" };
+    let prefs: Vec<String> = clusters
+        .iter()
+        .enumerate()
+        .map(|(i, (w, ..))| format!("{{clusterNames: [k{i}], weight: {w}}}"))
+        .collect();
+    let mut c = Case::new(&format!(
+        "replicaScheduling: {{mode: {mode}, totalReplicas: {total}, preferences: [{}]}}\nfailover: {{gracePeriodSeconds: 100}}",
+        prefs.join(", ")
+    ));
+    c.request = Resources {
+        cpu_millis: 500,
+        memory_bytes: 1,
+    };
+    c.members = clusters
+        .iter()
+        .enumerate()
+        .map(|(i, (_, cpu, cordoned, down))| {
+            let mut m = Member {
+                capacity: Some(capacity(*cpu)),
+                unschedulable: *cordoned,
+                ..Member::default()
+            };
+            m.not_ready_for = down.map(Duration::from_secs);
+            (format!("k{i}"), m)
+        })
+        .collect();
+    c
+}
+
+proptest! {
+    #[test]
+    fn schedule_is_deterministic_and_a_fixed_point((total, clusters, mode) in arb_case()) {
+        let mut c = build(total, &clusters, mode);
+        let first = c.run();
+        prop_assert_eq!(&first, &c.run());
+        if let Ok(s) = first {
+            // Run again on its own result, everything Ready: nothing moves but
+            // surplus being released.
+            c.settle(&s);
+            let again = c.ok();
+            for (name, a) in &again.clusters {
+                let before = s.clusters[name];
+                if before.reason != Surplus {
+                    prop_assert_eq!(a.replicas, before.replicas, "{} moved: {:?} -> {:?}", name, s, again);
+                }
+            }
+            c.settle(&again);
+            prop_assert_eq!(c.ok(), again);
+        }
+    }
+
+    #[test]
+    fn schedule_sums_to_the_total_and_respects_capacity((total, clusters, mode) in arb_case()) {
+        let c = build(total, &clusters, mode);
+        if let Ok(s) = c.run() {
+            // Fresh (no previous division, nothing to hold): exactly the total.
+            prop_assert_eq!(s.total(), total);
+            for (i, (_, cpu, ..)) in clusters.iter().enumerate() {
+                let a = s.clusters[&format!("k{i}")];
+                prop_assert!(a.replicas <= MAX_PER_CLUSTER);
+                if mode == 1 {
+                    prop_assert!(a.replicas as i64 <= cpu / 500, "{:?} exceeds room {}", a, cpu / 500);
+                }
+            }
+        }
+    }
+}

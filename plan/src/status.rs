@@ -1,0 +1,592 @@
+//! Status: a plan and agents' reports, folded into `FederatedMyApp.status`. Pure: the
+//! hub's status board holds the inputs and writes the result.
+//!
+//! Per cluster the plan says what it should run and its agent's report says what it
+//! runs; `Propagated` names the most urgent reason a cluster is behind, `Ready` counts
+//! the placed clusters whose MyApp is Ready. The division (replicas per cluster and why)
+//! is written in too ([`crate::schedule::annotate`]): the next plan reads it back as the
+//! previous division.
+
+use std::collections::{BTreeMap, HashSet};
+
+use flotilla_crds::condition;
+use flotilla_crds::federated::{ClusterStatus, FederatedMyAppStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
+use crate::index::Held;
+use crate::plan::{AppPlan, ClusterPlan, FAILED_OVER, KeepReason};
+use crate::schedule;
+
+/// What an agent last said about one MyApp: the wire's `StatusReport`, as the hub
+/// reads it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Report {
+    /// The content hash of the MyApp the status belongs to.
+    pub hash: String,
+    pub exists: bool,
+    pub ready: bool,
+    pub ready_replicas: i32,
+    pub observed_generation: i64,
+    pub generation: i64,
+    /// The MyApp's `Degraded` condition, when True: reason and message.
+    pub degraded: Option<(String, String)>,
+    /// Why the agent could not apply (or remove) it; it retries by itself.
+    pub apply_error: Option<String>,
+}
+
+impl Report {
+    pub fn held(&self) -> Held {
+        match (&self.apply_error, self.exists) {
+            (Some(_), _) => Held::Failed,
+            (None, true) => Held::Present,
+            (None, false) => Held::Absent,
+        }
+    }
+
+    fn not_ready_reason(&self) -> String {
+        if self.observed_generation < self.generation {
+            return "the operator has not observed the latest spec yet".into();
+        }
+        match &self.degraded {
+            Some((reason, message)) => format!("{reason}: {message}"),
+            None => format!("{} replica(s) ready", self.ready_replicas),
+        }
+    }
+}
+
+/// Why a cluster's MyApp is not propagated, most urgent first: errors a user must fix
+/// before states that pass by themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Reason {
+    RenderFailed,
+    ApplyFailed,
+    AgentDisconnected,
+    Pending,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::RenderFailed => "RenderFailed",
+            Reason::ApplyFailed => "ApplyFailed",
+            Reason::AgentDisconnected => "AgentDisconnected",
+            Reason::Pending => "Pending",
+        }
+    }
+}
+
+/// Everything the status of one app is computed from.
+pub struct Inputs<'a> {
+    pub plan: &'a AppPlan,
+    /// The app is being deleted and these clusters have not confirmed it.
+    pub deleting_on: Option<&'a [String]>,
+    pub reports: Option<&'a BTreeMap<String, Report>>,
+    /// Clusters with a live agent session.
+    pub connected: &'a HashSet<String>,
+}
+
+/// The clusters' entries and what they add up to.
+#[derive(Default)]
+struct Tally {
+    clusters: Vec<ClusterStatus>,
+    placed: i32,
+    ready: i32,
+    /// (cluster, reason, message) for each cluster not propagated.
+    not_propagated: Vec<(String, Reason, String)>,
+    /// `cluster: why` for each placed cluster whose MyApp is not Ready.
+    not_ready: Vec<String>,
+}
+
+/// The status as a pure function of the inputs; `previous` keeps condition transition
+/// times stable while a condition's status does not change.
+pub fn compute(
+    inputs: &Inputs<'_>,
+    previous: Option<&FederatedMyAppStatus>,
+    now: &Time,
+) -> FederatedMyAppStatus {
+    let plan = inputs.plan;
+    let tally = tally(inputs);
+    let cond = |type_: &str, ok: bool, reason: &str, message: String| {
+        condition::new(type_, ok, reason, message, plan.generation, now)
+    };
+    let propagated = propagated(inputs, &tally, cond);
+    let ready = ready(&tally, cond);
+    let before: &[Condition] = previous.map_or(&[], |p| &p.conditions);
+    let mut status = FederatedMyAppStatus {
+        observed_generation: plan.generation,
+        conditions: [propagated, ready]
+            .into_iter()
+            .map(|c| condition::settle(c, before))
+            .collect(),
+        placed_clusters: tally.placed,
+        ready_clusters: tally.ready,
+        clusters: tally.clusters,
+        ..Default::default()
+    };
+    if let Some(schedule) = &plan.schedule {
+        schedule::annotate(&mut status, schedule);
+    }
+    status
+}
+
+fn tally(inputs: &Inputs<'_>) -> Tally {
+    let mut tally = Tally::default();
+    for (name, planned) in inputs.plan.reported() {
+        let report = inputs.reports.and_then(|r| r.get(name));
+        let mut entry = ClusterStatus {
+            name: name.clone(),
+            ..Default::default()
+        };
+        if let Some(r) = report.filter(|r| r.exists) {
+            entry.ready_replicas = r.ready_replicas;
+            entry.observed_generation = Some(r.observed_generation);
+        }
+        let problem = match planned {
+            ClusterPlan::Keep(KeepReason::FailedOver) => {
+                entry.message = FAILED_OVER.to_owned();
+                None
+            }
+            ClusterPlan::Apply(rendered) => {
+                tally.placed += 1;
+                let connected = inputs.connected.contains(name);
+                applied(&mut tally, &mut entry, &rendered.hash, connected, report)
+            }
+            failed => failed
+                .error()
+                .map(|message| (Reason::RenderFailed, message)),
+        };
+        if let Some((reason, message)) = problem {
+            entry.message = message.clone();
+            tally.not_propagated.push((name.clone(), reason, message));
+        }
+        tally.clusters.push(entry);
+    }
+    tally
+}
+
+/// A cluster that should run the MyApp with `hash`: why it is not propagated, if it is
+/// not; else whether it is Ready.
+fn applied(
+    tally: &mut Tally,
+    entry: &mut ClusterStatus,
+    hash: &str,
+    connected: bool,
+    report: Option<&Report>,
+) -> Option<(Reason, String)> {
+    match report {
+        _ if !connected => Some((
+            Reason::AgentDisconnected,
+            "the cluster's agent is not connected; its last applied MyApp keeps running".to_owned(),
+        )),
+        Some(Report {
+            apply_error: Some(e),
+            ..
+        }) => Some((
+            Reason::ApplyFailed,
+            format!("applying the MyApp failed (the agent retries): {e}"),
+        )),
+        Some(r) if r.exists && r.hash == hash => {
+            entry.ready = r.ready && r.observed_generation >= r.generation;
+            if entry.ready {
+                tally.ready += 1;
+            } else {
+                entry.message = r.not_ready_reason();
+                tally
+                    .not_ready
+                    .push(format!("{}: {}", entry.name, entry.message));
+            }
+            None
+        }
+        _ => Some((
+            Reason::Pending,
+            "waiting for the agent to apply the latest version".to_owned(),
+        )),
+    }
+}
+
+fn propagated(
+    inputs: &Inputs<'_>,
+    tally: &Tally,
+    cond: impl Fn(&str, bool, &str, String) -> Condition,
+) -> Condition {
+    match (&inputs.plan.placement_error, inputs.deleting_on) {
+        (_, Some(waiting)) => cond(
+            "Propagated",
+            false,
+            "Deleting",
+            format!("waiting for {} to confirm deletion", list_or_none(waiting)),
+        ),
+        (Some(e), _) => cond("Propagated", false, "InvalidPlacement", e.to_string()),
+        (None, None) => match tally.not_propagated.iter().map(|(_, r, _)| *r).min() {
+            None => cond(
+                "Propagated",
+                true,
+                "Propagated",
+                format!("applied on {} cluster(s)", tally.placed),
+            ),
+            Some(reason) => {
+                let message = tally
+                    .not_propagated
+                    .iter()
+                    .map(|(c, _, m)| format!("{c}: {m}"))
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                cond("Propagated", false, reason.as_str(), message)
+            }
+        },
+    }
+}
+
+fn ready(tally: &Tally, cond: impl Fn(&str, bool, &str, String) -> Condition) -> Condition {
+    let (placed, ready_count) = (tally.placed, tally.ready);
+    if placed == 0 {
+        cond(
+            "Ready",
+            false,
+            "NoClusters",
+            "the placement selects no registered cluster".into(),
+        )
+    } else if ready_count == placed {
+        cond(
+            "Ready",
+            true,
+            "Ready",
+            format!("ready on all {placed} cluster(s)"),
+        )
+    } else {
+        let mut message = format!("{ready_count} of {placed} cluster(s) ready");
+        if !tally.not_ready.is_empty() {
+            message = format!("{message}; {}", tally.not_ready.join("; "));
+        }
+        cond("Ready", false, "NotReady", message)
+    }
+}
+
+fn list_or_none(names: &[String]) -> String {
+    if names.is_empty() {
+        "no cluster".into()
+    } else {
+        names.join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    use crate::placement::SelectorError;
+    use crate::plan::AppError;
+
+    use bytes::Bytes;
+    use k8s_openapi::jiff::Timestamp;
+
+    use crate::overrides::OverrideError;
+    use crate::render::{RenderError, RenderedMyApp};
+
+    fn now() -> Time {
+        Time(Timestamp::from_second(1_700_000_000).unwrap())
+    }
+
+    fn rendered(h: &str) -> ClusterPlan {
+        ClusterPlan::Apply(Arc::new(RenderedMyApp {
+            hash: h.into(),
+            json: Bytes::new(),
+        }))
+    }
+
+    fn failed(field: &str, path: &str, reason: &str) -> ClusterPlan {
+        ClusterPlan::Keep(KeepReason::RenderFailed(Box::new(RenderError::Override(
+            OverrideError {
+                field: field.into(),
+                op: "replace",
+                path: path.into(),
+                reason: reason.into(),
+            },
+        ))))
+    }
+
+    fn report(hash: &str, ready: bool, replicas: i32) -> Report {
+        Report {
+            hash: hash.into(),
+            exists: true,
+            ready,
+            ready_replicas: replicas,
+            observed_generation: 1,
+            generation: 1,
+            ..Default::default()
+        }
+    }
+
+    fn plan(entries: &[(&str, ClusterPlan)]) -> AppPlan {
+        AppPlan {
+            generation: Some(4),
+            clusters: entries
+                .iter()
+                .map(|(c, o)| ((*c).into(), o.clone()))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    fn run(plan: &AppPlan, reports: &[(&str, Report)], connected: &[&str]) -> FederatedMyAppStatus {
+        let reports: BTreeMap<String, Report> = reports
+            .iter()
+            .map(|(c, r)| ((*c).into(), r.clone()))
+            .collect();
+        let connected = connected.iter().map(|c| c.to_string()).collect();
+        compute(
+            &Inputs {
+                plan,
+                deleting_on: None,
+                reports: Some(&reports),
+                connected: &connected,
+            },
+            None,
+            &now(),
+        )
+    }
+
+    fn cond<'a>(s: &'a FederatedMyAppStatus, t: &str) -> &'a Condition {
+        s.conditions.iter().find(|c| c.type_ == t).unwrap()
+    }
+
+    #[test]
+    fn all_ready() {
+        let p = plan(&[("c1", rendered("h1")), ("c2", rendered("h2"))]);
+        let s = run(
+            &p,
+            &[("c1", report("h1", true, 3)), ("c2", report("h2", true, 5))],
+            &["c1", "c2"],
+        );
+        assert_eq!((s.placed_clusters, s.ready_clusters), (2, 2));
+        assert_eq!(s.observed_generation, Some(4));
+        assert_eq!(cond(&s, "Propagated").status, "True");
+        assert_eq!(cond(&s, "Ready").status, "True");
+        assert_eq!(
+            s.clusters[1],
+            ClusterStatus {
+                name: "c2".into(),
+                ready: true,
+                ready_replicas: 5,
+                observed_generation: Some(1),
+                message: String::new(),
+                ..Default::default()
+            }
+        );
+    }
+
+    #[test]
+    fn the_division_shows_per_cluster_and_a_failed_over_cluster_is_no_error() {
+        use crate::schedule::{Assignment, Schedule};
+        use flotilla_crds::federated::SchedulingReason;
+        let mut p = plan(&[
+            ("c1", rendered("h1")),
+            ("c2", rendered("h2")),
+            ("c3", ClusterPlan::Keep(KeepReason::FailedOver)),
+        ]);
+        let assign = |replicas, reason| Assignment { replicas, reason };
+        p.schedule = Some(Schedule {
+            divided: true,
+            clusters: [
+                ("c1".into(), assign(8, SchedulingReason::Weight)),
+                ("c2".into(), assign(4, SchedulingReason::Failover)),
+                ("c3".into(), assign(3, SchedulingReason::FailedOver)),
+            ]
+            .into(),
+            recheck_after: None,
+        });
+        let s = run(
+            &p,
+            &[
+                ("c1", report("h1", true, 8)),
+                ("c2", report("h2", true, 4)),
+                ("c3", report("old", true, 3)),
+            ],
+            &["c1", "c2"],
+        );
+        let c = |name: &str| s.clusters.iter().find(|c| c.name == name).unwrap();
+        assert_eq!(c("c1").replicas, Some(8));
+        assert_eq!(c("c2").scheduling_reason, Some(SchedulingReason::Failover));
+        assert_eq!(c("c3").replicas, Some(3));
+        assert!(c("c3").message.contains("failover grace period"));
+        // The failed-over copy is neither placed nor an error; its replicas are not
+        // counted in the desired total, its ready ones are still running.
+        assert_eq!((s.placed_clusters, s.ready_clusters), (2, 2));
+        assert_eq!(cond(&s, "Propagated").status, "True");
+        assert_eq!(cond(&s, "Ready").status, "True");
+        assert_eq!(s.replicas, Some(12));
+        assert_eq!(s.ready_replicas, 15);
+    }
+
+    #[test]
+    fn stale_hash_is_pending_not_ready() {
+        let p = plan(&[("c1", rendered("new"))]);
+        let s = run(&p, &[("c1", report("old", true, 3))], &["c1"]);
+        assert_eq!(cond(&s, "Propagated").reason, "Pending");
+        assert_eq!(cond(&s, "Ready").status, "False");
+        assert!(!s.clusters[0].ready);
+    }
+
+    #[test]
+    fn one_clusters_error_is_shown_for_that_cluster_only() {
+        let p = plan(&[
+            ("c1", rendered("h1")),
+            (
+                "c2",
+                failed(
+                    "spec.overrides[0].clusterOverrides[0]",
+                    "/spec/x",
+                    "nothing here",
+                ),
+            ),
+        ]);
+        let s = run(&p, &[("c1", report("h1", true, 3))], &["c1", "c2"]);
+        assert!(s.clusters[0].ready && s.clusters[0].message.is_empty());
+        assert!(s.clusters[1].message.contains("/spec/x"));
+        let c = cond(&s, "Propagated");
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "RenderFailed")
+        );
+        assert!(c.message.starts_with("c2: spec.overrides[0]"));
+        assert_eq!((s.placed_clusters, s.ready_clusters), (1, 1));
+        assert_eq!(
+            cond(&s, "Ready").status,
+            "True",
+            "the placed, rendered clusters are ready"
+        );
+    }
+
+    #[test]
+    fn disconnected_agent_and_apply_errors_are_named() {
+        let p = plan(&[("c1", rendered("h1")), ("c2", rendered("h2"))]);
+        let mut failed = report("h2", false, 0);
+        failed.apply_error = Some("admission webhook denied".into());
+        let s = run(
+            &p,
+            &[("c1", report("h1", true, 3)), ("c2", failed)],
+            &["c2"],
+        );
+        assert!(s.clusters[0].message.contains("agent is not connected"));
+        assert!(s.clusters[1].message.contains("admission webhook denied"));
+        assert_eq!(cond(&s, "Propagated").reason, "ApplyFailed");
+    }
+
+    #[test]
+    fn not_ready_explains_why() {
+        let p = plan(&[("c1", rendered("h1"))]);
+        // The agent's Degraded condition, when True (the hub's wire decoding picks it).
+        let r = Report {
+            hash: "h1".into(),
+            exists: true,
+            ready_replicas: 1,
+            observed_generation: 1,
+            generation: 1,
+            degraded: Some(("ImageMissing".into(), "spec.image is not set".into())),
+            ..Default::default()
+        };
+        let s = run(&p, &[("c1", r)], &["c1"]);
+        assert_eq!(
+            cond(&s, "Ready").message,
+            "0 of 1 cluster(s) ready; c1: ImageMissing: spec.image is not set"
+        );
+        let mut r = report("h1", true, 3);
+        r.generation = 2;
+        let s = run(&p, &[("c1", r)], &["c1"]);
+        assert!(
+            !s.clusters[0].ready,
+            "a status older than the spec is not ready"
+        );
+    }
+
+    #[test]
+    fn no_clusters_and_invalid_placement() {
+        let s = run(&plan(&[]), &[], &[]);
+        assert_eq!(cond(&s, "Ready").reason, "NoClusters");
+        assert_eq!(cond(&s, "Propagated").status, "True");
+        let mut p = plan(&[]);
+        p.placement_error = Some(AppError::Placement(SelectorError {
+            field: "spec.placement.clusterSelector.matchExpressions[0]".into(),
+            reason: "operator In needs at least one value".into(),
+        }));
+        let s = run(&p, &[], &[]);
+        assert_eq!(cond(&s, "Propagated").reason, "InvalidPlacement");
+    }
+
+    #[test]
+    fn transition_time_is_kept_while_status_holds() {
+        let p = plan(&[("c1", rendered("h1"))]);
+        let first = run(&p, &[("c1", report("h1", true, 3))], &["c1"]);
+        let later = Time(Timestamp::from_second(1_800_000_000).unwrap());
+        let reports: BTreeMap<String, Report> = [("c1".to_owned(), report("h1", true, 3))].into();
+        let connected: HashSet<String> = ["c1".to_owned()].into();
+        let inputs = Inputs {
+            plan: &p,
+            deleting_on: None,
+            reports: Some(&reports),
+            connected: &connected,
+        };
+        let again = compute(&inputs, Some(&first), &later);
+        assert_eq!(again, first, "nothing changed, so nothing to write");
+        let none = compute(
+            &Inputs {
+                plan: &p,
+                deleting_on: None,
+                reports: None,
+                connected: &connected,
+            },
+            Some(&first),
+            &later,
+        );
+        assert_eq!(cond(&none, "Ready").last_transition_time, later);
+    }
+
+    #[test]
+    fn reasons_order_by_urgency() {
+        assert!(Reason::RenderFailed < Reason::ApplyFailed);
+        assert!(Reason::ApplyFailed < Reason::AgentDisconnected);
+        assert!(Reason::AgentDisconnected < Reason::Pending);
+        let p = plan(&[("c1", rendered("h1")), ("c2", rendered("h2"))]);
+        let s = run(&p, &[("c1", report("old", true, 1))], &["c1"]);
+        assert_eq!(cond(&s, "Propagated").reason, "AgentDisconnected");
+    }
+
+    #[test]
+    fn reports_read_as_held_present_absent_or_failed() {
+        let r = |exists: bool, error: Option<&str>| {
+            Report {
+                exists,
+                apply_error: error.map(str::to_owned),
+                ..Default::default()
+            }
+            .held()
+        };
+        assert_eq!(r(true, None), Held::Present);
+        assert_eq!(r(false, None), Held::Absent);
+        assert_eq!(r(false, Some("namespace \"x\" not found")), Held::Failed);
+        assert_eq!(r(true, Some("webhook denied")), Held::Failed);
+    }
+
+    #[test]
+    fn an_apply_error_clears_when_a_good_report_follows() {
+        let p = plan(&[("c1", rendered("h1"))]);
+        let mut failed = report("h1", false, 0);
+        failed.apply_error = Some("namespace \"team\" not found".into());
+        let s = run(&p, &[("c1", failed)], &["c1"]);
+        assert_eq!(cond(&s, "Propagated").reason, "ApplyFailed");
+        let s = run(&p, &[("c1", report("h1", true, 1))], &["c1"]);
+        assert_eq!(cond(&s, "Propagated").status, "True");
+        assert!(s.clusters[0].message.is_empty());
+    }
+
+    #[test]
+    fn conditions_carry_the_observed_generation() {
+        let s = run(&plan(&[("c1", rendered("h1"))]), &[], &["c1"]);
+        assert!(
+            s.conditions
+                .iter()
+                .all(|c| c.observed_generation == Some(4))
+        );
+    }
+}
