@@ -329,15 +329,12 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
                 )
                 .await?;
             let myapps: Api<flotilla_crds::MyApp> = Api::namespaced(host_client.clone(), "default");
-            flotilla_lab::wait_for(
+            flotilla_lab::await_object(
+                &myapps,
+                "joined-app",
                 std::time::Duration::from_secs(60),
                 "joined-app in the joined cluster",
-                || async {
-                    Ok(myapps
-                        .get_opt("joined-app")
-                        .await?
-                        .filter(|a| a.spec.replicas == Some(2)))
-                },
+                |a: Option<&flotilla_crds::MyApp>| a.is_some_and(|a| a.spec.replicas == Some(2)),
             )
             .await?;
             let _ = fedapps.delete("joined-app", &DeleteParams::default()).await;

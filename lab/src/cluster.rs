@@ -46,12 +46,9 @@ pub async fn prepare(client: &Client, name: &str, provider: Provider) -> Result<
     // Pods need the namespace's default ServiceAccount, which kube-controller-manager
     // creates: waiting for it means the controllers run and tests can create pods at once.
     let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), "default");
-    wait_for(
-        READY_TIMEOUT,
-        &format!("the default ServiceAccount in {name}"),
-        || async { Ok(sas.get_opt("default").await?.map(|_| ())) },
-    )
-    .await?;
+    let what = format!("the default ServiceAccount in {name}");
+    let exists = |sa: Option<&ServiceAccount>| sa.is_some();
+    await_object(&sas, "default", READY_TIMEOUT, &what, exists).await?;
     Ok(())
 }
 

@@ -465,7 +465,8 @@ pub async fn wait_member_ready(
         &format!("MemberCluster {member} {state}"),
         |mc: Option<&MemberCluster>| mc.is_some_and(|mc| member_ready(mc) == ready),
     )
-    .await
+    .await?;
+    Ok(())
 }
 
 /// Removes the federation's launch records, certificates and tokens.

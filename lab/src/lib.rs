@@ -33,7 +33,7 @@ pub mod wait;
 
 pub use env::{Env, Provider, Role};
 pub use process::ProcessRecord;
-pub use wait::{wait_event, wait_for};
+pub use wait::{await_object, wait_event, wait_for};
 
 use anyhow::{Context, Result, bail};
 use std::path::Path;

@@ -38,15 +38,16 @@ where
 }
 
 /// Watches object `name` of `api` until `cond` holds for it (`cond` sees `None` while the
-/// object does not exist), or `timeout` passes. As in [`wait_for`], an error is "not yet":
-/// the watch starts again after [`POLL`], and the last error is reported if time runs out.
+/// object does not exist), or `timeout` passes; returns the object as it was then (`None`
+/// if `cond` held for its absence). As in [`wait_for`], an error is "not yet": the watch
+/// starts again after [`POLL`], and the last error is reported if time runs out.
 pub async fn await_object<K>(
     api: &Api<K>,
     name: &str,
     timeout: Duration,
     what: &str,
     cond: impl Condition<K>,
-) -> Result<()>
+) -> Result<Option<K>>
 where
     K: Clone + Debug + Send + DeserializeOwned + Resource + 'static,
 {
@@ -56,7 +57,7 @@ where
         let left = deadline.saturating_duration_since(Instant::now());
         let watch = await_condition(api.clone(), name, |o: Option<&K>| cond.matches_object(o));
         match tokio::time::timeout(left, watch).await {
-            Ok(Ok(_)) => return Ok(()),
+            Ok(Ok(object)) => return Ok(object),
             Ok(Err(e)) => last_err = Some(anyhow::Error::new(e)),
             Err(_) => return Err(timed_out(timeout, what, last_err)),
         }

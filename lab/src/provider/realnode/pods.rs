@@ -209,19 +209,12 @@ async fn wait_deployment(
 ) -> Result<()> {
     let client = env.client(cluster).await?;
     let deployments: Api<Deployment> = Api::namespaced(client, HUB_NAMESPACE);
-    let waited = crate::wait_for(
-        READY_TIMEOUT,
-        &format!("{replicas} ready Pod(s) of {HUB_NAMESPACE}/{name} in {cluster}"),
-        || async {
-            let d = deployments.get_opt(name).await?;
-            let ready = d
-                .and_then(|d| d.status)
-                .and_then(|s| s.ready_replicas)
-                .unwrap_or(0);
-            Ok((ready >= replicas).then_some(()))
-        },
-    )
-    .await;
+    let ready = |d: Option<&Deployment>| {
+        let ready = d.and_then(|d| d.status.as_ref()?.ready_replicas);
+        ready.unwrap_or(0) >= replicas
+    };
+    let what = format!("{replicas} ready Pod(s) of {HUB_NAMESPACE}/{name} in {cluster}");
+    let waited = crate::await_object(&deployments, name, READY_TIMEOUT, &what, ready).await;
     if let Err(e) = waited {
         let describe = describe_pods(
             bin,
