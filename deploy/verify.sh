@@ -8,7 +8,7 @@
 #   - the copies that must agree: PrometheusRule objects vs the chart's rules file;
 #   - the OLM bundles under deploy/olm: kubeconform (with OLM's CRD schemas), their sample
 #     MyApps against the MyApp CRD, operator-framework/api's bundle validators; and, when
-#     e2e/scripts/olm-prereqs.sh has built opm from its source, `opm validate` on the
+#     lab/scripts/olm-prereqs.sh has built opm from its source, `opm validate` on the
 #     catalog and `opm render` of each bundle equal to the catalog's entry.
 # Tools it lacks are installed: Debian packages (prometheus for promtool, python3-yaml),
 # Go tools through the Go module proxy (helm, kubeconform, controller-gen), cached under
@@ -21,7 +21,7 @@ HELM_VERSION=v4.3.2
 KUBECONFORM_VERSION=v0.7.0
 CONTROLLER_GEN_VERSION=v0.23.0
 PROMETHEUS_OPERATOR_VERSION=v0.95.2
-OPM_VERSION=v1.73.0                    # e2e/scripts/olm-prereqs.sh builds it
+OPM_VERSION=v1.73.0                    # lab/scripts/olm-prereqs.sh builds it
 OPERATOR_FRAMEWORK_API_VERSION=v0.45.0 # the operator-framework/api that opm is built with
 CACHE=${FLOTILLA_CACHE:-$HOME/.cache/flotilla}
 TOOLS=$CACHE/tools
@@ -193,6 +193,6 @@ EOF
   "$OPM" generate dockerfile "$WORK/catalog" -i "quay.io/operator-framework/opm:$OPM_VERSION" -b "quay.io/operator-framework/opm:$OPM_VERSION"
   grep -v '^# Generated from' deploy/olm/catalog.Dockerfile | diff - "$WORK/catalog.Dockerfile"
 else
-  step "skipping opm validate and render: no $OPM (build it: bash e2e/scripts/olm-prereqs.sh --operator-registry DIR, DIR a checkout of operator-framework/operator-registry at $OPM_VERSION)"
+  step "skipping opm validate and render: no $OPM (build it: bash lab/scripts/olm-prereqs.sh --operator-registry DIR, DIR a checkout of operator-framework/operator-registry at $OPM_VERSION)"
 fi
 step "deploy/verify.sh: all checks passed"

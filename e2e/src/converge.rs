@@ -1,6 +1,7 @@
 //! The convergence checker: from the host's FederatedMyApps and MemberClusters, what
-//! every member must run (computed with the hub's own render core), compared with the
-//! managed MyApps each member actually has. Every difference is reported in words.
+//! every member must run (computed with the hub's own planning, `flotilla_plan::plan`),
+//! compared with the managed MyApps each member actually has. Every difference is
+//! reported in words.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -15,7 +16,7 @@ use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams};
 use kube::{Client, ResourceExt};
 use serde_json::Value;
 
-use crate::Env;
+use flotilla_lab::Env;
 
 /// A MyApp's `namespace/name`, the same on the host and every member.
 pub type Key = String;
@@ -228,7 +229,7 @@ pub async fn wait_converged(env: &Env, timeout: Duration) -> Result<(Report, Dur
             return Ok((r.clone(), start.elapsed()));
         }
         last = Some(report);
-        tokio::time::sleep(crate::wait::POLL).await;
+        tokio::time::sleep(flotilla_lab::wait::POLL).await;
     }
     match last {
         Some(Ok(r)) => anyhow::bail!(

@@ -19,9 +19,9 @@ use kube::api::{Api, DynamicObject};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::task::JoinHandle;
 
-use crate::Env;
 use crate::converge::{Key, myapp_resource};
 use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE};
+use flotilla_lab::Env;
 
 /// One managed MyApp that went away.
 #[derive(Debug, Clone, PartialEq, Eq)]

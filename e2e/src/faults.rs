@@ -8,18 +8,17 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use nix::sys::signal::Signal;
 
-use crate::env::Env;
-use crate::federation::{Federation, HUB, HUB_NAMESPACE, Launch, agent_name};
-use crate::process::{self, ProcessRecord};
 use crate::proxy::Proxy;
-use crate::support::free_addr;
+use flotilla_lab::Env;
+use flotilla_lab::federation::{Federation, HUB, HUB_NAMESPACE, Launch, agent_name};
+use flotilla_lab::process::{self, ProcessRecord, Signal};
+use flotilla_lab::support::free_addr;
 
 /// SIGKILLs component `name` (the hub or `flotilla-agent-<cluster>`); returns once it is gone.
 pub fn sigkill(env: &Env, f: &Federation, name: &str) -> Result<ProcessRecord> {
     let p = f.process(env, name)?;
-    p.signal(Signal::SIGKILL)?;
+    p.signal(Signal::KILL)?;
     if !p.wait_gone(Duration::from_secs(10)) {
         bail!("{name} (PID {}) still runs 10s after SIGKILL", p.pid);
     }
@@ -39,7 +38,7 @@ pub async fn start(env: &Env, f: &Federation, name: &str) -> Result<ProcessRecor
 /// stops it) and returned, for the caller to watch it end.
 pub async fn replace_hub(env: &Env, f: &Federation) -> Result<(ProcessRecord, ProcessRecord)> {
     let old = f.process(env, HUB)?;
-    old.signal(Signal::SIGTERM)?;
+    old.signal(Signal::TERM)?;
     let old = process::rename(&env.dir, HUB, &format!("{HUB}-old-{}", old.pid))?;
     let grpc = f
         .hub_grpc
@@ -47,7 +46,7 @@ pub async fn replace_hub(env: &Env, f: &Federation) -> Result<(ProcessRecord, Pr
         .context("the hub's URL is https://")?
         .to_string();
     // The old hub closes its listener first thing on SIGTERM; a new one can bind then.
-    crate::wait_for(
+    flotilla_lab::wait_for(
         Duration::from_secs(10),
         "the old hub to release its gRPC port",
         || async { Ok(std::net::TcpListener::bind(&grpc).ok().map(drop)) },
@@ -149,7 +148,7 @@ pub fn start_component(env: &mut Env, stopped: &Component) -> Result<ProcessReco
     });
     let record = process::spawn_detached(&name, &mut cmd, &log)?;
     std::fs::write(
-        crate::local::pid_file(&env.dir, &stopped.cluster, &stopped.component),
+        flotilla_lab::provider::local::pid_file(&env.dir, &stopped.cluster, &stopped.component),
         record.pid.to_string(),
     )?;
     let idx = env
@@ -200,9 +199,9 @@ pub async fn start_twin(
         l.set_arg("webhook-addr", Some(&webhook));
         l.set_arg("webhook-url", None);
     })?;
-    if let Err(e) = crate::federation::wait_http_ok(&twin, &launch.http, "/healthz").await {
+    if let Err(e) = flotilla_lab::federation::wait_http_ok(&twin, &launch.http, "/healthz").await {
         let _ = p.stop(Duration::from_secs(10));
-        let _ = crate::process::forget(&env.dir, &twin);
+        let _ = flotilla_lab::process::forget(&env.dir, &twin);
         return Err(e);
     }
     Ok((p, launch))
@@ -222,7 +221,9 @@ pub async fn start_standby_hub(env: &Env, f: &Federation) -> Result<(ProcessReco
         l.set_arg("http-addr", Some(&http));
         l.set_arg("leader-identity", Some(STANDBY_HUB));
     })?;
-    if let Err(e) = crate::federation::wait_http_ok(STANDBY_HUB, &launch.http, "/healthz").await {
+    if let Err(e) =
+        flotilla_lab::federation::wait_http_ok(STANDBY_HUB, &launch.http, "/healthz").await
+    {
         let _ = p.stop(Duration::from_secs(10));
         let _ = process::forget(&env.dir, STANDBY_HUB);
         return Err(e);

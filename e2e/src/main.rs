@@ -1,8 +1,9 @@
-//! `flotilla-e2e`: brings the multi-cluster e2e environment up and down, and runs the tests.
+//! `flotilla-e2e`: brings the lab's multi-cluster environment up and down, and runs the
+//! tests. The benchmarks are `flotilla-bench`.
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use flotilla_e2e::{Env, Provider, env};
+use flotilla_lab::{Env, Provider, env};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -12,10 +13,8 @@ use std::process::ExitCode;
     about = "Flotilla's multi-cluster e2e environment on real Kubernetes control planes"
 )]
 struct Cli {
-    /// State directory (relative paths are taken from the workspace root)
-    /// [default: <workspace>/target/e2e]
-    #[arg(long, global = true, env = env::DIR_VAR)]
-    dir: Option<PathBuf>,
+    #[command(flatten)]
+    dir: env::DirArg,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -41,14 +40,6 @@ enum Cmd {
     Kubeconfig { name: String },
     /// Bring the environment up (if it is not) and apply the seed's FederatedMyApp on the host
     Demo,
-    /// Benchmarks, each against a baseline measured in the same run (see BENCHMARKS.md)
-    Bench {
-        /// Also print the figures as one JSON object on the last line
-        #[arg(long, global = true)]
-        json: bool,
-        #[command(subcommand)]
-        scenario: flotilla_e2e::bench::Scenario,
-    },
     /// Unit tests + the e2e suite; brings the environment up (and down again) if it is not running
     Test {
         /// Three: the scheduling tests divide replicas over three members.
@@ -66,11 +57,7 @@ enum Cmd {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let dir = match &cli.dir {
-        Some(d) => flotilla_e2e::support::workspace_root().join(d),
-        None => env::default_dir(),
-    };
-    match run(cli.command, dir).await {
+    match run(cli.command, cli.dir.resolve()).await {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
@@ -87,26 +74,23 @@ async fn run(cmd: Cmd, dir: PathBuf) -> Result<bool> {
             provider,
             real_nodes,
         } => {
-            let env = flotilla_e2e::up_with(&dir, members, provider, real_nodes).await?;
+            let env = flotilla_lab::up_with(&dir, members, provider, real_nodes).await?;
             for c in &env.clusters {
                 println!("{}\t{}", c.name, c.kubeconfig.display());
             }
             Ok(true)
         }
-        Cmd::Down => flotilla_e2e::down(&dir).await.map(|()| true),
-        Cmd::Status => flotilla_e2e::status::status(&dir).await,
+        Cmd::Down => flotilla_lab::down(&dir).await.map(|()| true),
+        Cmd::Status => flotilla_lab::status::status(&dir).await,
         Cmd::Kubeconfig { name } => {
             let env = Env::load_from(&dir)?;
             println!("{}", env.kubeconfig(&name)?.display());
             Ok(true)
         }
         Cmd::Demo => {
-            let env = flotilla_e2e::up(&dir, 2, Provider::Local).await?;
-            flotilla_e2e::demo::demo(&env).await.map(|()| true)
+            let env = flotilla_lab::up(&dir, 2, Provider::Local).await?;
+            flotilla_lab::demo::demo(&env).await.map(|()| true)
         }
-        Cmd::Bench { json, scenario } => flotilla_e2e::bench::run(scenario, json, &dir)
-            .await
-            .map(|()| true),
         Cmd::Test {
             members,
             provider,

@@ -2,11 +2,10 @@
 //! against an environment that it brings up if none is running and tears down again
 //! (even when something failed or it was interrupted).
 
-use crate::env::{DIR_VAR, Provider};
-use crate::support::workspace_root;
 use anyhow::{Result, anyhow};
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
+use flotilla_lab::env::{DIR_VAR, Provider};
+use flotilla_lab::support::workspace_root;
+use rustix::process::{Pid, Signal, kill_process_group, test_kill_process_group};
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
@@ -68,11 +67,11 @@ pub async fn run(dir: &Path, members: usize, provider: Provider, real_nodes: boo
     let mut brought_up = false;
     let mut env_ok = false;
     if !interrupted {
-        let same_mode = crate::Env::load_state(dir)
+        let same_mode = flotilla_lab::Env::load_state(dir)
             .ok()
             .flatten()
             .is_some_and(|e| e.real_nodes == real_nodes);
-        if same_mode && crate::status::is_up(dir).await {
+        if same_mode && flotilla_lab::status::is_up(dir).await {
             eprintln!(
                 "flotilla-e2e test: using the running environment in {}",
                 dir.display()
@@ -81,7 +80,7 @@ pub async fn run(dir: &Path, members: usize, provider: Provider, real_nodes: boo
         } else {
             brought_up = true;
             let up = tokio::select! {
-                r = crate::up_with(dir, members, provider, real_nodes) => r.map(|_| ()),
+                r = flotilla_lab::up_with(dir, members, provider, real_nodes) => r.map(|_| ()),
                 s = signalled() => { interrupted = true; Err(anyhow!("interrupted by {s}")) }
             };
             if let Err(e) = &up {
@@ -127,7 +126,7 @@ pub async fn run(dir: &Path, members: usize, provider: Provider, real_nodes: boo
         ));
     }
     if brought_up {
-        let down = crate::down(dir).await;
+        let down = flotilla_lab::down(dir).await;
         if let Err(e) = &down {
             eprintln!("flotilla-e2e test: tearing the environment down failed: {e:#}");
         }
@@ -162,7 +161,7 @@ async fn cargo(args: &[&str], dir: &Path, tally: &mut Tally) -> Result<bool> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
     eprintln!("flotilla-e2e test: {cargo} {}", args.join(" "));
     let mut command = Command::new(&cargo);
-    for name in crate::support::crate_vars() {
+    for name in flotilla_lab::support::crate_vars() {
         command.env_remove(name);
     }
     let mut child = command
@@ -207,21 +206,23 @@ async fn cargo(args: &[&str], dir: &Path, tally: &mut Tally) -> Result<bool> {
 
 /// SIGTERM to a process group, SIGKILL five seconds later if it still has members.
 async fn stop_group(group: Option<u32>) {
-    let Some(pgid) = group.and_then(|g| i32::try_from(g).ok()) else {
+    let Some(pgid) = group
+        .and_then(|g| i32::try_from(g).ok())
+        .and_then(Pid::from_raw)
+    else {
         return;
     };
-    let pgid = Pid::from_raw(pgid);
-    if killpg(pgid, Signal::SIGTERM).is_err() {
+    if kill_process_group(pgid, Signal::TERM).is_err() {
         return;
     }
     for _ in 0..50 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         // Signal 0 only asks whether the group still has a member.
-        if killpg(pgid, None).is_err() {
+        if test_kill_process_group(pgid).is_err() {
             return;
         }
     }
-    let _ = killpg(pgid, Signal::SIGKILL);
+    let _ = kill_process_group(pgid, Signal::KILL);
 }
 
 /// Resolves on SIGINT or SIGTERM (CI stops a run with the latter).

@@ -7,7 +7,7 @@
 //! `cargo run -p flotilla-e2e -- test` do everything); without one every test fails and
 //! says so.
 
-use flotilla_e2e::{Env, Provider, wait_for};
+use flotilla_lab::{Env, Provider, await_object};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -76,7 +76,7 @@ async fn crds_are_installed_on_host_and_members() {
             );
             let crd = api.get(&name).await.unwrap();
             assert!(
-                flotilla_e2e::cluster::established(&crd),
+                flotilla_lab::cluster::established(&crd),
                 "CRD {name} not Established on {}",
                 c.name
             );
@@ -131,19 +131,20 @@ async fn a_deployment_on_a_member_becomes_available_with_fake_pods() {
         .await
         .unwrap();
 
-    let available = wait_for(
+    let available = |d: Option<&Deployment>| {
+        let Some(status) = d.and_then(|d| d.status.as_ref()) else {
+            return false;
+        };
+        let mut conditions = status.conditions.iter().flatten();
+        let available = conditions.any(|c| c.type_ == "Available" && c.status == "True");
+        available && status.ready_replicas == Some(2)
+    };
+    let available = await_object(
+        &deployments,
+        "pause",
         Duration::from_secs(90),
         "Deployment pause to be Available with 2 ready replicas",
-        || async {
-            let d = deployments.get("pause").await?;
-            let status = d.status.unwrap_or_default();
-            let available = status
-                .conditions
-                .unwrap_or_default()
-                .iter()
-                .any(|c| c.type_ == "Available" && c.status == "True");
-            Ok((available && status.ready_replicas == Some(2)).then_some(()))
-        },
+        available,
     )
     .await;
 

@@ -14,13 +14,13 @@ use anyhow::{Context, Result, bail, ensure};
 use flotilla_crds::{FederatedMyApp, MemberCluster};
 use flotilla_e2e::converge::{self, managed_myapps};
 use flotilla_e2e::deletions::DeletionLog;
-use flotilla_e2e::federation::{self, Federation, HUB, agent_name, wait_member_ready};
-use flotilla_e2e::process::ProcessRecord;
-use flotilla_e2e::support::{http_get, sample};
-use flotilla_e2e::{Env, faults, process, wait_for};
+use flotilla_e2e::faults;
+use flotilla_lab::federation::{self, Federation, HUB, agent_name, wait_member_ready};
+use flotilla_lab::process::{ProcessRecord, Signal};
+use flotilla_lab::support::{http_get, sample};
+use flotilla_lab::{Env, await_object, process, wait_for};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use nix::sys::signal::Signal;
 use serde_json::json;
 
 const CONVERGE: Duration = Duration::from_secs(60);
@@ -323,12 +323,10 @@ async fn an_agent_cut_off_past_the_heartbeat_grace_keeps_its_apps() -> Result<()
                 "default",
             );
             let name = ctx.name(0);
-            wait_for(
-                Duration::from_secs(30),
-                "cluster2 to get the update",
-                || async { Ok((c2.get(&name).await?.spec.replicas == Some(9)).then_some(())) },
-            )
-            .await?;
+            let updated =
+                |a: Option<&flotilla_crds::MyApp>| a.is_some_and(|a| a.spec.replicas == Some(9));
+            let what = "cluster2 to get the update";
+            await_object(&c2, &name, Duration::from_secs(30), what, updated).await?;
             wait_member_ready(&ctx.host, "cluster2", true, Duration::from_secs(1)).await?;
             proxy.heal();
             wait_member_ready(&ctx.host, "cluster1", true, Duration::from_secs(60)).await?;
@@ -351,12 +349,9 @@ async fn a_member_cluster_deleted_and_recreated_with_its_token_deletes_nothing()
             let log = DeletionLog::start(&ctx.env).await?;
             let start = Instant::now();
             members.delete("cluster1", &DeleteParams::default()).await?;
-            wait_for(
-                Duration::from_secs(30),
-                "MemberCluster cluster1 gone",
-                || async { Ok(members.get_opt("cluster1").await?.is_none().then_some(())) },
-            )
-            .await?;
+            let gone = |mc: Option<&MemberCluster>| mc.is_none();
+            let what = "MemberCluster cluster1 gone";
+            await_object(&members, "cluster1", Duration::from_secs(30), what, gone).await?;
             // Re-created as GitOps would: same labels, same token hash.
             let again: MemberCluster = serde_json::from_value(json!({
                 "apiVersion": "core.kubefed.io/v1beta1", "kind": "MemberCluster",
@@ -390,7 +385,7 @@ async fn a_second_agent_with_the_same_identity_changes_nothing() -> Result<()> {
             tokio::time::sleep(Duration::from_secs(5)).await;
             let verdict = verdict(&ctx, "second-agent-same-identity", &log, start).await;
             // The first agent holds the Lease: the twin waited as a standby throughout.
-            let standby = match flotilla_e2e::support::http_get(&launch.http, "/readyz").await {
+            let standby = match http_get(&launch.http, "/readyz").await {
                 Ok((200, _)) => Err(anyhow::anyhow!(
                     "the twin agent is ready: two agents act for cluster1"
                 )),
@@ -478,21 +473,24 @@ async fn a_mass_collection_waits_for_a_confirmation() -> Result<()> {
             faults::start(&ctx.env, &ctx.f, &agent).await?;
             let members: Api<MemberCluster> = Api::all(ctx.host.clone());
             let count = leftovers.len();
-            let blocked = wait_for(CONVERGE, "cluster2 CollectionBlocked", || async {
-                let mc = members.get("cluster2").await?;
-                let conditions = mc.status.map(|s| s.conditions).unwrap_or_default();
-                Ok(conditions
-                    .into_iter()
-                    .find(|c| c.type_ == "CollectionBlocked" && c.status == "True"))
-            })
-            .await?;
+            let blocked_of = |mc: &MemberCluster| {
+                let conditions = &mc.status.as_ref()?.conditions;
+                conditions
+                    .iter()
+                    .find(|c| c.type_ == "CollectionBlocked" && c.status == "True")
+                    .cloned()
+            };
+            let is_blocked = |mc: Option<&MemberCluster>| mc.and_then(blocked_of).is_some();
+            let what = "cluster2 CollectionBlocked";
+            let mc = await_object(&members, "cluster2", CONVERGE, what, is_blocked).await?;
+            let blocked = mc.as_ref().and_then(blocked_of).context("no MemberCluster")?;
             ensure!(
                 blocked.message.contains(&format!("deleting {count} of"))
                     && blocked.message.contains("flotilla.io/confirm-collection"),
                 "the condition does not say what to confirm: {}",
                 blocked.message
             );
-            flotilla_e2e::wait_event(&ctx.host, "default", "cluster2", "CollectionBlocked", CONVERGE)
+            flotilla_lab::wait_event(&ctx.host, "default", "cluster2", "CollectionBlocked", CONVERGE)
                 .await?;
             // Held back: nothing deleted while unconfirmed.
             tokio::time::sleep(Duration::from_secs(5)).await;
@@ -521,14 +519,14 @@ async fn a_mass_collection_waits_for_a_confirmation() -> Result<()> {
                 Ok(Some(()))
             })
             .await?;
-            wait_for(CONVERGE, "the confirmation consumed", || async {
-                let mc = members.get("cluster2").await?;
-                let cleared = !mc.annotations().contains_key("flotilla.io/confirm-collection");
-                let open = mc.status.map(|s| s.conditions).unwrap_or_default().into_iter()
-                    .any(|c| c.type_ == "CollectionBlocked" && c.status == "True");
-                Ok((cleared && !open).then_some(()))
-            })
-            .await?;
+            let consumed = |mc: Option<&MemberCluster>| {
+                mc.is_some_and(|mc| {
+                    let cleared = !mc.annotations().contains_key("flotilla.io/confirm-collection");
+                    cleared && blocked_of(mc).is_none()
+                })
+            };
+            let what = "the confirmation consumed";
+            await_object(&members, "cluster2", CONVERGE, what, consumed).await?;
             let expected: BTreeSet<(String, String)> = leftovers
                 .iter()
                 .map(|n| ("cluster2".to_owned(), format!("default/{n}")))
@@ -717,9 +715,7 @@ async fn the_standby_hub_takes_over_when_the_leader_is_sigkilled() -> Result<()>
                 CONVERGE,
                 "every agent synced with the new leader",
                 || async {
-                    let metrics = flotilla_e2e::support::http_get(&launch.http, "/metrics")
-                        .await?
-                        .1;
+                    let metrics = http_get(&launch.http, "/metrics").await?.1;
                     Ok(members
                         .iter()
                         .all(|m| hub_syncs(&metrics, m) >= 1.0)
@@ -836,7 +832,7 @@ async fn an_agent_whose_apiserver_was_down_past_its_lease_works_again() -> Resul
 /// terminationGracePeriodSeconds of 15 s leaves, with margin).
 fn sigterm_ends(p: &ProcessRecord, state: &str) -> Result<()> {
     let at = Instant::now();
-    p.signal(Signal::SIGTERM)?;
+    p.signal(Signal::TERM)?;
     let gone = p.wait_gone(Duration::from_secs(10));
     println!(
         "fault agent-sigterm: {state}: {} after {:.1}s",

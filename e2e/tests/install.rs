@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
-use flotilla_e2e::Env;
-use flotilla_e2e::federation::Federation;
-use flotilla_e2e::support::workspace_root;
+use flotilla_lab::Env;
+use flotilla_lab::federation::Federation;
+use flotilla_lab::support::workspace_root;
 
 /// Both tests write to the host (its MyApp CRD, `flotilla-system`): one at a time.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -262,8 +262,8 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
             &data.get("ca.crt").context("the Secret has no ca.crt")?.0,
         )?;
         let (http, webhook) = (
-            flotilla_e2e::support::free_addr()?,
-            flotilla_e2e::support::free_addr()?,
+            flotilla_lab::support::free_addr()?,
+            flotilla_lab::support::free_addr()?,
         );
         let args: Vec<String> = container
             .args
@@ -298,7 +298,7 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
         }
         let sa_kubeconfig = dir.join("kubeconfig.yaml");
         std::fs::write(&sa_kubeconfig, serde_yaml::to_string(&kubeconfig)?)?;
-        let program = &f.components[&flotilla_e2e::federation::agent_name("cluster1")].program;
+        let program = &f.components[&flotilla_lab::federation::agent_name("cluster1")].program;
         let mut cmd = std::process::Command::new(program);
         cmd.args(&args)
             .env("KUBECONFIG", &sa_kubeconfig)
@@ -306,7 +306,7 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
             .env("FLOTILLA_LEADER_ELECT", "true");
         let agent = env.spawn(&format!("agent-{NAME}"), &mut cmd)?;
         let outcome = async {
-            flotilla_e2e::federation::wait_member_ready(
+            flotilla_lab::federation::wait_member_ready(
                 &host_client,
                 NAME,
                 true,
@@ -329,19 +329,16 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
                 )
                 .await?;
             let myapps: Api<flotilla_crds::MyApp> = Api::namespaced(host_client.clone(), "default");
-            flotilla_e2e::wait_for(
+            flotilla_lab::await_object(
+                &myapps,
+                "joined-app",
                 std::time::Duration::from_secs(60),
                 "joined-app in the joined cluster",
-                || async {
-                    Ok(myapps
-                        .get_opt("joined-app")
-                        .await?
-                        .filter(|a| a.spec.replicas == Some(2)))
-                },
+                |a: Option<&flotilla_crds::MyApp>| a.is_some_and(|a| a.spec.replicas == Some(2)),
             )
             .await?;
             let _ = fedapps.delete("joined-app", &DeleteParams::default()).await;
-            flotilla_e2e::wait_for(
+            flotilla_lab::wait_for(
                 std::time::Duration::from_secs(60),
                 "joined-app deleted everywhere",
                 || async {
@@ -355,7 +352,7 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
         }
         .await;
         let stopped = agent.stop(std::time::Duration::from_secs(10));
-        let _ = flotilla_e2e::process::forget(&env.dir, &agent.name);
+        let _ = flotilla_lab::process::forget(&env.dir, &agent.name);
         outcome?;
         stopped
     }

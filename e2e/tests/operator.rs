@@ -13,9 +13,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use flotilla_crds::{MyApp, MyAppStatus};
-use flotilla_e2e::federation::{Federation, agent_name};
-use flotilla_e2e::support::{cargo_binaries, free_addr, http_get, workspace_root};
-use flotilla_e2e::{Env, ProcessRecord, wait_for};
+use flotilla_lab::federation::{Federation, agent_name};
+use flotilla_lab::support::{cargo_binaries, free_addr, http_get, workspace_root};
+use flotilla_lab::{Env, ProcessRecord, await_object, wait_for};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, ServiceAccount};
@@ -168,34 +168,28 @@ impl Fixture {
     }
 
     async fn try_ready(&self, name: &str, replicas: i32) -> Result<MyApp> {
-        let api = self.api::<MyApp>();
-        wait_for(TIMEOUT, &format!("MyApp {name} to be ready"), || async {
-            let app = api.get(name).await?;
+        let ready = |app: &MyApp| {
             let status = app.status.clone().unwrap_or_default();
             let current = status.observed_generation == app.metadata.generation;
-            Ok((current && status.ready && status.ready_replicas == replicas).then_some(app))
-        })
-        .await
-        .with_context(|| self.log())
+            current && status.ready && status.ready_replicas == replicas
+        };
+        let (api, what) = (self.api(), format!("MyApp {name} to be ready"));
+        let cond = |a: Option<&MyApp>| a.is_some_and(ready);
+        let app = await_object(&api, name, TIMEOUT, &what, cond).await;
+        app.and_then(|a| a.context("no MyApp"))
+            .with_context(|| self.log())
     }
 
     /// MyApp `name`'s status, once a condition has `reason`.
     async fn condition_reason(&self, name: &str, reason: &str) -> MyAppStatus {
-        let api = self.api::<MyApp>();
-        wait_for(
-            TIMEOUT,
-            &format!("a condition with reason {reason}"),
-            || async {
-                let status = api.get(name).await?.status.unwrap_or_default();
-                Ok(status
-                    .conditions
-                    .iter()
-                    .any(|c| c.reason == reason)
-                    .then_some(status))
-            },
-        )
-        .await
-        .unwrap()
+        let has_reason = |app: &MyApp| {
+            let status = app.status.as_ref();
+            status.is_some_and(|s| s.conditions.iter().any(|c| c.reason == reason))
+        };
+        let (api, what) = (self.api(), format!("a condition with reason {reason}"));
+        let cond = |a: Option<&MyApp>| a.is_some_and(has_reason);
+        let app = await_object(&api, name, TIMEOUT, &what, cond).await;
+        app.unwrap().unwrap().status.unwrap_or_default()
     }
 
     async fn deployment(&self, name: &str) -> Deployment {
@@ -221,7 +215,7 @@ impl Drop for Fixture {
         if let Some(operator) = &self.own {
             let stopped = operator
                 .stop(Duration::from_secs(5))
-                .and_then(|()| flotilla_e2e::process::forget(&self.env.dir, &operator.name));
+                .and_then(|()| flotilla_lab::process::forget(&self.env.dir, &operator.name));
             if let Err(e) = stopped {
                 eprintln!("stopping {}: {e:#}", operator.name);
             }
@@ -551,12 +545,12 @@ async fn a_deployment_deleted_or_edited_by_hand_is_put_back() {
         .delete("web-deploy", &DeleteParams::default())
         .await
         .unwrap();
-    let back = wait_for(TIMEOUT, "the Deployment to come back", || async {
-        let d = deployments.get_opt("web-deploy").await?;
-        Ok(d.filter(|d| d.metadata.uid != first.metadata.uid))
-    })
-    .await
-    .unwrap();
+    let new = |d: Option<&Deployment>| d.is_some_and(|d| d.metadata.uid != first.metadata.uid);
+    let what = "the Deployment to come back";
+    let back = await_object(&deployments, "web-deploy", TIMEOUT, what, new)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(back.spec.unwrap().replicas, Some(2));
     f.ready("web", 2).await;
 
@@ -565,12 +559,11 @@ async fn a_deployment_deleted_or_edited_by_hand_is_put_back() {
         .patch("web-deploy", &PatchParams::default(), &Patch::Merge(scale))
         .await
         .unwrap();
-    wait_for(TIMEOUT, "the hand-made scale to be undone", || async {
-        let d = deployments.get("web-deploy").await?;
-        Ok((d.spec.and_then(|s| s.replicas) == Some(2)).then_some(()))
-    })
-    .await
-    .unwrap();
+    let undone = |d: Option<&Deployment>| d.and_then(|d| d.spec.as_ref()?.replicas) == Some(2);
+    let what = "the hand-made scale to be undone";
+    await_object(&deployments, "web-deploy", TIMEOUT, what, undone)
+        .await
+        .unwrap();
     f.ready("web", 2).await;
 }
 
@@ -653,7 +646,7 @@ async fn one_myapp_the_apiserver_rejects_counts_errors_above_the_alert_rate() {
     let agent = agent_name(&f.member);
     let errors = || async {
         let metrics = federation.metrics(&agent).await.unwrap();
-        flotilla_e2e::support::sample(
+        flotilla_lab::support::sample(
             &metrics,
             r#"controller_runtime_reconcile_errors_total{controller="myapp",error="invalid_spec"}"#,
         )

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use flotilla_crds::{FederatedMyApp, MemberCluster, MyApp};
-use flotilla_e2e::{Env, wait_for};
+use flotilla_lab::{Env, await_object};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
@@ -61,26 +61,22 @@ async fn merge(host: &Client, name: &str, patch: &Value) -> Result<()> {
 }
 
 async fn replicas_on(c: &Client, name: &str, want: i32) -> Result<MyApp> {
-    let api = myapps(c);
-    wait_for(
+    let app = await_object(
+        &myapps(c),
+        name,
         TIMEOUT,
         &format!("MyApp {name} with {want} replicas"),
-        || async {
-            Ok(api
-                .get_opt(name)
-                .await?
-                .filter(|a| a.spec.replicas == Some(want)))
-        },
+        |a: Option<&MyApp>| a.is_some_and(|a| a.spec.replicas == Some(want)),
     )
-    .await
+    .await?;
+    app.context("no MyApp")
 }
 
 async fn gone_from(c: &Client, name: &str) -> Result<()> {
-    let api = myapps(c);
-    wait_for(TIMEOUT, &format!("MyApp {name} gone"), || async {
-        Ok(api.get_opt(name).await?.is_none().then_some(()))
-    })
-    .await
+    let what = format!("MyApp {name} gone");
+    let gone = |a: Option<&MyApp>| a.is_none();
+    await_object(&myapps(c), name, TIMEOUT, &what, gone).await?;
+    Ok(())
 }
 
 async fn status_where(
@@ -89,13 +85,10 @@ async fn status_where(
     what: &str,
     check: impl Fn(&Value) -> bool,
 ) -> Result<Value> {
-    let api = fedapps(host);
-    wait_for(TIMEOUT, what, || async {
-        let app = api.get(name).await?;
-        let status = serde_json::to_value(&app.status)?;
-        Ok(check(&status).then_some(status))
-    })
-    .await
+    let status = |app: &FederatedMyApp| serde_json::to_value(&app.status).unwrap_or_default();
+    let cond = |app: Option<&FederatedMyApp>| app.is_some_and(|a| check(&status(a)));
+    let app = await_object(&fedapps(host), name, TIMEOUT, what, cond).await?;
+    Ok(status(&app.context("no FederatedMyApp")?))
 }
 
 fn condition<'a>(status: &'a Value, type_: &str) -> Option<&'a Value> {
@@ -108,12 +101,10 @@ fn condition<'a>(status: &'a Value, type_: &str) -> Option<&'a Value> {
 async fn delete_and_wait(host: &Client, name: &str) -> Result<()> {
     let api = fedapps(host);
     let _ = api.delete(name, &DeleteParams::default()).await;
-    wait_for(
-        TIMEOUT,
-        &format!("FederatedMyApp {name} deleted"),
-        || async { Ok(api.get_opt(name).await?.is_none().then_some(())) },
-    )
-    .await
+    let what = format!("FederatedMyApp {name} deleted");
+    let gone = |a: Option<&FederatedMyApp>| a.is_none();
+    await_object(&api, name, TIMEOUT, &what, gone).await?;
+    Ok(())
 }
 
 #[tokio::test]
@@ -307,7 +298,7 @@ async fn an_invalid_override_is_reported_for_its_cluster_only() -> Result<()> {
     assert!(myapps(&c.c2).get_opt("bad-override").await?.is_none());
 
     let event =
-        flotilla_e2e::wait_event(&c.host, "default", "bad-override", "RenderFailed", TIMEOUT)
+        flotilla_lab::wait_event(&c.host, "default", "bad-override", "RenderFailed", TIMEOUT)
             .await?;
     assert!(
         event

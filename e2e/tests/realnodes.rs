@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
-use anyhow::{Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use flotilla_crds::{FederatedMyApp, MyApp};
-use flotilla_e2e::federation::wait_member_ready;
-use flotilla_e2e::realnode::{self, NODE_NAME, REAL_NODE_KEY};
-use flotilla_e2e::{Env, Role, oci, wait_for};
+use flotilla_lab::federation::wait_member_ready;
+use flotilla_lab::provider::realnode::{self, NODE_NAME, REAL_NODE_KEY, oci};
+use flotilla_lab::{Env, Role, await_object, wait_for};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -160,12 +160,9 @@ async fn deleting_the_leading_hub_pod_fails_over_to_the_standby(env: &Env) -> Re
     .await?;
     for m in &members {
         let myapps: Api<MyApp> = Api::namespaced(env.client(m).await?, "default");
-        wait_for(TIMEOUT, &format!("MyApp {name} Ready in {m}"), || async {
-            let a = myapps.get_opt(name).await?;
-            Ok(a.filter(|a| a.status.as_ref().is_some_and(|s| s.ready))
-                .map(|_| ()))
-        })
-        .await?;
+        let ready = |a: Option<&MyApp>| a.and_then(|a| a.status.as_ref()).is_some_and(|s| s.ready);
+        let what = format!("MyApp {name} Ready in {m}");
+        await_object(&myapps, name, TIMEOUT, &what, ready).await?;
     }
     fed.delete(name, &DeleteParams::default()).await?;
     // deploy/hub's Deployment brings the second hub back.
@@ -241,34 +238,28 @@ async fn run_as_non_root_refuses_an_image_with_a_named_user() -> Result<()> {
     api.create(&PostParams::default(), &pod("numeric-user", &numeric)?)
         .await?;
 
-    let refused = wait_for(TIMEOUT, "the named-user Pod to be refused", || async {
-        let p = api.get("named-user").await?;
-        let waiting = (p.status.and_then(|s| s.container_statuses))
-            .and_then(|c| c.into_iter().next())
-            .and_then(|c| c.state)
-            .and_then(|s| s.waiting);
-        Ok(waiting.filter(|w| w.reason.as_deref() == Some("CreateContainerConfigError")))
-    })
-    .await?;
+    let refusal = |p: &Pod| {
+        let status = p.status.as_ref()?.container_statuses.as_ref()?.first()?;
+        let waiting = status.state.as_ref()?.waiting.as_ref()?;
+        (waiting.reason.as_deref() == Some("CreateContainerConfigError")).then(|| waiting.clone())
+    };
+    let refused = |p: Option<&Pod>| p.and_then(refusal).is_some();
+    let what = "the named-user Pod to be refused";
+    let named = await_object(&api, "named-user", TIMEOUT, what, refused).await?;
+    let refused = named.as_ref().and_then(refusal).context("no Pod")?;
     let message = refused.message.unwrap_or_default();
     println!("runAsNonRoot with USER nonroot: CreateContainerConfigError: {message}");
     assert!(
         message.contains("non-numeric user (nonroot)"),
         "the kubelet refused the named user for another reason: {message}"
     );
-    wait_for(
-        TIMEOUT,
-        "the numeric-user Pod to run to completion",
-        || async {
-            let p = api.get("numeric-user").await?;
-            let phase = p.status.and_then(|s| s.phase).unwrap_or_default();
-            if phase == "Failed" {
-                bail!("the numeric-user Pod failed");
-            }
-            Ok((phase == "Succeeded").then_some(()))
-        },
-    )
-    .await?;
+    let phase = |p: Option<&Pod>| p.and_then(|p| p.status.as_ref()?.phase.clone());
+    let ended = |p: Option<&Pod>| matches!(phase(p).as_deref(), Some("Succeeded" | "Failed"));
+    let what = "the numeric-user Pod to run to completion";
+    let numeric = await_object(&api, "numeric-user", TIMEOUT, what, ended).await?;
+    if phase(numeric.as_ref()).as_deref() == Some("Failed") {
+        bail!("the numeric-user Pod failed");
+    }
     for name in ["named-user", "numeric-user"] {
         api.delete(name, &DeleteParams::default().grace_period(0))
             .await?;

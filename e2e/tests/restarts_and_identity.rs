@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use anyhow::Result;
 use flotilla_crds::{FederatedMyApp, MyApp};
-use flotilla_e2e::federation::{Federation, HUB, agent_name};
-use flotilla_e2e::support::sample;
-use flotilla_e2e::{Env, wait_for};
+use flotilla_lab::federation::{Federation, HUB, agent_name};
+use flotilla_lab::support::sample;
+use flotilla_lab::{Env, await_object, wait_for};
 use flotilla_proto::v1::hub_message;
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
@@ -86,11 +86,11 @@ async fn restarts_resend_nothing_and_credentials_bind_one_cluster() -> Result<()
             &Patch::Apply(make("only-on-1", &["cluster1"])),
         )
         .await?;
-    wait_for(TIMEOUT, "steady Ready", || async {
-        let s = fedapps.get("steady").await?.status.unwrap_or_default();
-        Ok((s.ready_clusters == 2).then_some(()))
-    })
-    .await?;
+    let ready = |a: Option<&FederatedMyApp>| {
+        a.and_then(|a| a.status.as_ref())
+            .is_some_and(|s| s.ready_clusters == 2)
+    };
+    await_object(&fedapps, "steady", TIMEOUT, "steady Ready", ready).await?;
     let before = fingerprint(&env, "steady").await?;
 
     // Agent restart: it says Hello with the hashes it applied; the hub sends no Apply.

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use flotilla_crds::{FederatedMyApp, MemberCluster, MyApp};
 use flotilla_e2e::deletions::DeletionLog;
-use flotilla_e2e::federation::{self, Federation, agent_name, wait_member_ready};
-use flotilla_e2e::{Env, converge, faults, wait_for};
+use flotilla_e2e::{converge, faults};
+use flotilla_lab::federation::{self, Federation, agent_name, wait_member_ready};
+use flotilla_lab::{Env, await_object, wait_for};
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::Client;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
@@ -100,10 +101,9 @@ impl Ctx {
     async fn delete(&self, name: &str) -> Result<()> {
         let api = self.fedapps();
         let _ = api.delete(name, &DeleteParams::default()).await;
-        wait_for(TIMEOUT, &format!("{name} deleted"), || async {
-            Ok(api.get_opt(name).await?.is_none().then_some(()))
-        })
-        .await
+        let gone = |a: Option<&FederatedMyApp>| a.is_none();
+        await_object(&api, name, TIMEOUT, &format!("{name} deleted"), gone).await?;
+        Ok(())
     }
 }
 
@@ -153,13 +153,13 @@ async fn weighted_2_1_1_lands_as_6_3_3_and_reports_it() -> Result<()> {
     let c = ctx().await?;
     c.apply("sched-weighted", weighted(12), nginx()).await?;
     c.wait_division("sched-weighted", [6, 3, 3]).await?;
-    let app = wait_for(TIMEOUT, "12 ready replicas in status", || async {
-        let app = c.fedapps().get("sched-weighted").await?;
-        let s = app.status.clone().unwrap_or_default();
-        Ok((s.replicas == Some(12) && s.ready_replicas == 12).then_some(app))
-    })
-    .await?;
-    let status = app.status.unwrap();
+    let all_ready = |a: Option<&FederatedMyApp>| {
+        let status = a.and_then(|a| a.status.as_ref());
+        status.is_some_and(|s| s.replicas == Some(12) && s.ready_replicas == 12)
+    };
+    let what = "12 ready replicas in status";
+    let app = await_object(&c.fedapps(), "sched-weighted", TIMEOUT, what, all_ready).await?;
+    let status = app.and_then(|a| a.status).context("no status")?;
     for cluster in &status.clusters {
         ensure!(
             cluster.scheduling_reason == Some(flotilla_crds::federated::SchedulingReason::Weight),
@@ -178,11 +178,15 @@ async fn capacity_follows_the_clusters_sizes() -> Result<()> {
     // Every agent reported its nodes: 3 nodes of 32, 16 and 8 cores.
     let members: Api<MemberCluster> = Api::all(c.host.clone());
     for (m, cores) in [("cluster1", 32), ("cluster2", 16), ("cluster3", 8)] {
-        let capacity = wait_for(TIMEOUT, &format!("{m}'s capacity in status"), || async {
-            let mc = members.get(m).await?;
-            Ok(mc.status.and_then(|s| s.capacity))
-        })
-        .await?;
+        let reported = |mc: Option<&MemberCluster>| {
+            mc.and_then(|mc| mc.status.as_ref())
+                .is_some_and(|s| s.capacity.is_some())
+        };
+        let what = format!("{m}'s capacity in status");
+        let mc = await_object(&members, m, TIMEOUT, &what, reported).await?;
+        let capacity = mc
+            .and_then(|mc| mc.status?.capacity)
+            .context("no capacity")?;
         ensure!(capacity.nodes == 3, "{m}: {capacity:?}");
         ensure!(
             capacity.allocatable.cpu_millis == 3 * cores * 1000,
@@ -230,13 +234,9 @@ async fn spread_over_two_regions_and_cordon_keep_their_promises() -> Result<()> 
     let hub = Federation::load(&c.env)?.hub_cli(&c.env)?;
     hub.run(&["cordon", "cluster1"])?;
     let cordoned = async {
-        wait_for(TIMEOUT, "cluster1 cordoned in the hub", || async {
-            let mc = Api::<MemberCluster>::all(c.host.clone())
-                .get("cluster1")
-                .await?;
-            Ok(mc.spec.unschedulable.then_some(()))
-        })
-        .await?;
+        let is_cordoned = |mc: Option<&MemberCluster>| mc.is_some_and(|mc| mc.spec.unschedulable);
+        let (members, what) = (Api::all(c.host.clone()), "cluster1 cordoned in the hub");
+        await_object(&members, "cluster1", TIMEOUT, what, is_cordoned).await?;
         c.apply("sched-cordon", weighted(4), nginx()).await?;
         c.wait_division("sched-cordon", [0, 2, 2]).await?;
         anyhow::Ok(())
@@ -308,18 +308,15 @@ async fn failover_moves_a_lost_clusters_share_without_a_dip() -> Result<()> {
             "cluster3's MyApp was touched while it was unreachable: {moved:?}"
         );
         // Status follows the pushes (its writes are coalesced).
-        wait_for(TIMEOUT, "cluster3 FailedOver in status", || async {
-            let app = c.fedapps().get(name).await?;
-            let reason = app.status.as_ref().and_then(|s| {
+        let failed_over = |a: Option<&FederatedMyApp>| {
+            let reason = a.and_then(|a| a.status.as_ref()).and_then(|s| {
                 let c3 = s.clusters.iter().find(|c| c.name == "cluster3")?;
                 c3.scheduling_reason
             });
-            Ok(
-                (reason == Some(flotilla_crds::federated::SchedulingReason::FailedOver))
-                    .then_some(()),
-            )
-        })
-        .await?;
+            reason == Some(flotilla_crds::federated::SchedulingReason::FailedOver)
+        };
+        let what = "cluster3 FailedOver in status";
+        await_object(&c.fedapps(), name, TIMEOUT, what, failed_over).await?;
         // Back: Rebalance gives cluster3 its share again, and 6/3/3 once it is Ready.
         faults::start(&c.env, &f, &agent).await?;
         wait_member_ready(&c.host, "cluster3", true, TIMEOUT).await?;

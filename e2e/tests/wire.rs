@@ -4,9 +4,10 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use flotilla_e2e::federation::{Federation, HUB};
-use flotilla_e2e::support::http_get;
-use flotilla_e2e::{Env, converge};
+use flotilla_e2e::converge;
+use flotilla_lab::Env;
+use flotilla_lab::federation::{Federation, HUB};
+use flotilla_lab::support::http_get;
 use flotilla_proto::client;
 use flotilla_proto::v1::{self as pb, agent_message};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

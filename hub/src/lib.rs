@@ -10,7 +10,7 @@
 //! endpoint and `flotilla-hub status`), `install` (what `join` prints), `run` (wiring only,
 //! with `flotilla_common::leader` choosing the leading replica), `cli`.
 //!
-//! Public only what the binary, the fan-out benchmark (`flotilla-e2e`) and the
+//! Public only what the binary, the fan-out benchmark (`flotilla-bench`) and the
 //! `agent_message` fuzz target (`convert`) reach.
 
 pub mod auth;

@@ -1,7 +1,7 @@
 //! The bundle's metadata and the file-based catalog (FBC): one `olm.package`, one
 //! `olm.channel` whose entries form the upgrade path, one `olm.bundle` per version with
 //! the properties `opm render` derives from the bundle (checked against the real `opm`
-//! by `deploy/verify.sh` when `e2e/scripts/olm-prereqs.sh` has built it).
+//! by `deploy/verify.sh` when `lab/scripts/olm-prereqs.sh` has built it).
 
 use serde_json::{Map, Value, json};
 

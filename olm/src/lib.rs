@@ -27,7 +27,7 @@ pub const REGISTRY: &str = "ghcr.io/flotilla";
 pub const VERSIONS: [&str; 2] = ["0.1.0", "0.2.0"];
 /// The one channel, also the default.
 pub const CHANNEL: &str = "stable";
-/// The `opm` the catalog image is built on; `e2e/scripts/olm-prereqs.sh` builds the same
+/// The `opm` the catalog image is built on; `lab/scripts/olm-prereqs.sh` builds the same
 /// version from source.
 pub const OPM_IMAGE: &str = "quay.io/operator-framework/opm:v1.73.0";
 

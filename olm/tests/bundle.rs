@@ -208,7 +208,7 @@ fn another_registry_moves_every_image() {
 #[test]
 fn one_opm_version_everywhere() {
     let tag = flotilla_olm::OPM_IMAGE.rsplit(':').next().unwrap();
-    for script in ["deploy/verify.sh", "e2e/scripts/olm-prereqs.sh"] {
+    for script in ["deploy/verify.sh", "lab/scripts/olm-prereqs.sh"] {
         let text = std::fs::read_to_string(repo().join(script)).unwrap();
         assert!(
             text.lines()

@@ -481,7 +481,7 @@ impl Model {
     fn ready(&mut self, c: u8, ready: bool) {
         let now = self.now;
         if let Some((_, since)) = self.host.registered.get_mut(&cluster(c))
-            && since.is_none() == !ready
+            && since.is_none() != ready
         {
             *since = (!ready).then_some(now);
             self.trigger(Trigger::Members);

@@ -4,7 +4,7 @@
 //! 1. Images: `flotilla-hub` and `flotilla-agent` built static (`--release --target
 //!    x86_64-unknown-linux-musl`, as `deploy/Dockerfile` builds them; or taken from
 //!    `$FLOTILLA_IMAGE_BIN_DIR`), stripped, laid out as the Dockerfile lays them out
-//!    ([`crate::oci`]) and imported into the nodes' containerd (the hub's into the host's
+//!    ([`super::oci`]) and imported into the nodes' containerd (the hub's into the host's
 //!    node, the agent's into the members'). Tagged `e2e-<hash of the binary>`, so that a
 //!    changed binary is a new image and a rollout.
 //! 2. The hub: `kubectl apply -k` of an overlay written under the state dir over
@@ -22,10 +22,10 @@
 //! `flotilla.io/leader=true`), every agent is Ready and every MemberCluster is Ready. When
 //! a Pod does not become Ready it fails with `kubectl describe pod` of the Pods concerned.
 
+use super::{self as realnode, REAL_NODE_KEY};
 use crate::env::Env;
 use crate::federation::{HUB_NAMESPACE, REGION, region_of, wait_member_ready};
 use crate::hubcli::HubCli;
-use crate::realnode::{self, REAL_NODE_KEY};
 use crate::support::{cargo_binaries, cargo_binaries_with, workspace_root};
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -102,9 +102,9 @@ pub async fn images(env: &Env) -> Result<Images> {
         }
         let hash = hex::encode(Sha256::digest(std::fs::read(&bin)?));
         let tag = format!("e2e-{}", &hash[..12]);
-        let spec = crate::oci::flotilla_image(component, &bin, &tag);
+        let spec = super::oci::flotilla_image(component, &bin, &tag);
         let archive = dir.join(format!("{name}.tar"));
-        crate::oci::write_archive(&spec, &archive)?;
+        super::oci::write_archive(&spec, &archive)?;
         for c in &env.clusters {
             let wanted = match component {
                 "hub" => c.role == crate::Role::Host,
@@ -170,21 +170,6 @@ fn member_kustomization() -> String {
     )
 }
 
-/// `to` relative to the directory `from` (both absolute): `../../repo/deploy/...`.
-fn relative(from: &Path, to: &Path) -> PathBuf {
-    let from: Vec<_> = from.components().collect();
-    let to: Vec<_> = to.components().collect();
-    let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
-    let mut out = PathBuf::new();
-    for _ in common..from.len() {
-        out.push("..");
-    }
-    for c in &to[common..] {
-        out.push(c);
-    }
-    out
-}
-
 fn kubectl(bin: &Path, kubeconfig: &Path, args: &[&str]) -> Result<String> {
     let out = Command::new(bin.join("kubectl"))
         .arg("--kubeconfig")
@@ -224,19 +209,12 @@ async fn wait_deployment(
 ) -> Result<()> {
     let client = env.client(cluster).await?;
     let deployments: Api<Deployment> = Api::namespaced(client, HUB_NAMESPACE);
-    let waited = crate::wait_for(
-        READY_TIMEOUT,
-        &format!("{replicas} ready Pod(s) of {HUB_NAMESPACE}/{name} in {cluster}"),
-        || async {
-            let d = deployments.get_opt(name).await?;
-            let ready = d
-                .and_then(|d| d.status)
-                .and_then(|s| s.ready_replicas)
-                .unwrap_or(0);
-            Ok((ready >= replicas).then_some(()))
-        },
-    )
-    .await;
+    let ready = |d: Option<&Deployment>| {
+        let ready = d.and_then(|d| d.status.as_ref()?.ready_replicas);
+        ready.unwrap_or(0) >= replicas
+    };
+    let what = format!("{replicas} ready Pod(s) of {HUB_NAMESPACE}/{name} in {cluster}");
+    let waited = crate::await_object(&deployments, name, READY_TIMEOUT, &what, ready).await;
     if let Err(e) = waited {
         let describe = describe_pods(
             bin,
@@ -277,9 +255,11 @@ pub async fn up(env: &Env, bin: &Path) -> Result<()> {
         .join("overlays")
         .join("hub-nodeport");
     // kustomize takes bases by relative path only ("new root cannot be absolute").
+    let relative = pathdiff::diff_paths(&base, hub_dir.canonicalize()?)
+        .with_context(|| format!("{} relative to {}", base.display(), hub_dir.display()))?;
     std::fs::write(
         hub_dir.join("kustomization.yaml"),
-        hub_kustomization(&relative(&hub_dir.canonicalize()?, &base), &tag),
+        hub_kustomization(&relative, &tag),
     )?;
     let cli_bin = cargo_binaries(&[("flotilla-hub", "flotilla-hub")])?;
     let cli = HubCli {
@@ -415,15 +395,14 @@ mod tests {
             serde_yaml::from_str(k["patches"][0]["patch"].as_str().unwrap()).unwrap();
         assert_eq!(patch[0]["value"][0]["key"], REAL_NODE_KEY);
         assert_eq!(patch[1]["value"][REAL_NODE_KEY], "true");
+        // The base as kustomize takes it: relative to the overlay's directory.
+        let relative = |from: &str, to: &str| pathdiff::diff_paths(to, from).unwrap();
         assert_eq!(
-            relative(
-                Path::new("/e2e/nodes/install/hub"),
-                Path::new("/repo/deploy/x")
-            ),
+            relative("/e2e/nodes/install/hub", "/repo/deploy/x"),
             Path::new("../../../../repo/deploy/x")
         );
         assert_eq!(
-            relative(Path::new("/repo/target/e2e/i"), Path::new("/repo/deploy/x")),
+            relative("/repo/target/e2e/i", "/repo/deploy/x"),
             Path::new("../../../deploy/x")
         );
         let m: serde_yaml::Value = serde_yaml::from_str(&member_kustomization()).unwrap();

@@ -5,9 +5,10 @@
 //! signalled.
 
 use anyhow::{Context, Result, bail};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 use procfs::process::Process;
+/// The signals [`ProcessRecord::signal`] sends (`Signal::TERM`, `Signal::KILL`, ...).
+pub use rustix::process::Signal;
+use rustix::process::{Pid, kill_process};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::os::unix::process::CommandExt;
@@ -62,12 +63,14 @@ impl ProcessRecord {
         if !self.alive() {
             return Ok(());
         }
-        let pid = i32::try_from(self.pid).with_context(|| format!("PID {}", self.pid))?;
-        match kill(Pid::from_raw(pid), signal) {
-            Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
-            Err(e) => {
-                Err(e).with_context(|| format!("sending {signal} to {} (PID {pid})", self.name))
-            }
+        let pid = i32::try_from(self.pid)
+            .ok()
+            .and_then(Pid::from_raw)
+            .with_context(|| format!("PID {}", self.pid))?;
+        match kill_process(pid, signal) {
+            Ok(()) | Err(rustix::io::Errno::SRCH) => Ok(()),
+            Err(e) => Err(e)
+                .with_context(|| format!("sending {signal:?} to {} (PID {})", self.name, self.pid)),
         }
     }
 
@@ -91,11 +94,11 @@ pub fn stop_many(procs: &[ProcessRecord], grace: Duration) -> Result<()> {
             let _ = p.signal(sig);
         }
     };
-    signal_all(Signal::SIGTERM);
+    signal_all(Signal::TERM);
     if wait_gone(procs, grace) {
         return Ok(());
     }
-    signal_all(Signal::SIGKILL);
+    signal_all(Signal::KILL);
     if wait_gone(procs, Duration::from_secs(10)) {
         return Ok(());
     }
@@ -312,12 +315,12 @@ mod tests {
         };
         assert_eq!(found.iter().map(|p| p.pid).collect::<Vec<_>>(), [r.pid]);
         assert!(mentioning(&dir.join("other")).is_empty());
-        r.signal(Signal::SIGKILL).unwrap();
+        r.signal(Signal::KILL).unwrap();
         assert!(
             r.wait_gone(Duration::from_secs(5)),
             "SIGKILL did not end it"
         );
-        r.signal(Signal::SIGKILL).unwrap();
+        r.signal(Signal::KILL).unwrap();
         assert!(mentioning(&marker).is_empty());
         stop_all(&dir).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();

@@ -24,7 +24,7 @@ const KUBE_VERSION: &str = "v1.34.4";
 /// With `real_nodes`, also kubelet, kube-proxy and pause (built only then).
 pub async fn binaries(real_nodes: bool) -> Result<PathBuf> {
     let script = workspace_root()
-        .join("e2e")
+        .join("lab")
         .join("scripts")
         .join("build-binaries.sh");
     let out = tokio::process::Command::new("bash")
@@ -157,8 +157,8 @@ async fn creation_lock() -> Result<std::fs::File> {
 pub async fn up(env: &mut Env) -> Result<()> {
     let bin = binaries(env.real_nodes).await?;
     let net = if env.real_nodes {
-        let net = crate::realnode::network(&env.dir)?;
-        crate::realnode::ensure_bridge(&net)?;
+        let net = crate::provider::realnode::network(&env.dir)?;
+        crate::provider::realnode::ensure_bridge(&net)?;
         Some(net)
     } else {
         None

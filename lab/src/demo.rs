@@ -3,11 +3,11 @@
 
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use flotilla_crds::{FederatedMyApp, MyApp};
 use kube::api::{Api, Patch, PatchParams};
 
-use crate::{Env, wait_for};
+use crate::{Env, await_object};
 
 const SEED: &str = include_str!("../../examples/federatedmyapp.yaml");
 
@@ -24,19 +24,17 @@ pub async fn demo(env: &Env) -> Result<()> {
         )
         .await?;
     println!("applied FederatedMyApp default/{name} (the seed's example) on the host");
-    let status = wait_for(
-        Duration::from_secs(60),
-        "the status of every placed cluster",
-        || async {
-            let s = fedapps.get(&name).await?.status.unwrap_or_default();
-            let reported = s.clusters.len() >= 2
+    let reported = |a: Option<&FederatedMyApp>| {
+        a.and_then(|a| a.status.as_ref()).is_some_and(|s| {
+            s.clusters.len() >= 2
                 && s.clusters
                     .iter()
-                    .all(|c| c.observed_generation.is_some() || !c.message.is_empty());
-            Ok(reported.then_some(s))
-        },
-    )
-    .await?;
+                    .all(|c| c.observed_generation.is_some() || !c.message.is_empty())
+        })
+    };
+    let what = "the status of every placed cluster";
+    let app = await_object(&fedapps, &name, Duration::from_secs(60), what, reported).await?;
+    let status = app.and_then(|a| a.status).context("no status")?;
     for c in &status.clusters {
         let member: Api<MyApp> = Api::namespaced(env.client(&c.name).await?, "default");
         let replicas = member.get_opt(&name).await?.and_then(|a| a.spec.replicas);

@@ -1,10 +1,10 @@
 //! OCI images built from local files, with no registry and no Docker: one uncompressed
-//! layer, an image config, a manifest and an `index.json`, written as an OCI image layout
-//! in a tar archive that `ctr images import` takes.
+//! layer, an image config, a manifest and an `index.json` (typed, from `oci-spec`),
+//! written as an OCI image layout in a tar archive that `ctr images import` takes.
 //!
 //! The archive is deterministic (every header has mtime 0, owner 0:0 unless a file says
-//! otherwise, entries in the order given): the same binary gives the same digests, so a
-//! second import into a node's containerd changes nothing.
+//! otherwise, entries in the order given; JSON with its keys sorted): the same binary gives
+//! the same digests, so a second import into a node's containerd changes nothing.
 //!
 //! [`flotilla_image`] makes the `flotilla-hub` and `flotilla-agent` images with the layout
 //! `deploy/Dockerfile` gives them: the static binary at `/usr/local/bin/flotilla-<component>`,
@@ -14,8 +14,14 @@
 //! source's `pause.c`.
 
 use anyhow::{Context, Result};
-use serde_json::json;
-use sha2::{Digest, Sha256};
+use oci_spec::image::{
+    Arch, ConfigBuilder, Descriptor, DescriptorBuilder, Digest, HistoryBuilder, ImageConfiguration,
+    ImageConfigurationBuilder, ImageIndexBuilder, ImageManifestBuilder, MediaType,
+    OciLayoutBuilder, Os, PlatformBuilder, RootFsBuilder, SCHEMA_VERSION, Sha256Digest,
+};
+use serde::Serialize;
+use sha2::{Digest as _, Sha256};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// What one entry of the layer holds.
@@ -145,9 +151,18 @@ fn distroless_base() -> Vec<Entry> {
     entries
 }
 
-/// Digest string (`sha256:<hex>`) of `data`.
-fn digest(data: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(data)))
+/// The digest (`sha256:<hex>`) of `data`.
+fn digest(data: &[u8]) -> Digest {
+    let hex = hex::encode(Sha256::digest(data));
+    hex.parse::<Sha256Digest>()
+        .expect("64 lowercase hex digits are a SHA-256 digest")
+        .into()
+}
+
+/// `value` as JSON with its keys sorted (serde_json's `Value` keeps a sorted map): oci-spec
+/// keeps annotations and exposed ports in `HashMap`s, whose order changes from run to run.
+fn canonical(value: &impl Serialize) -> Result<Vec<u8>> {
+    Ok(serde_json::to_vec(&serde_json::to_value(value)?)?)
 }
 
 /// The layer as an uncompressed tar.
@@ -184,58 +199,89 @@ fn layer(entries: &[Entry]) -> Result<Vec<u8>> {
     Ok(b.into_inner()?)
 }
 
+/// The image config: how to run it, and the digest of its one (uncompressed) layer.
+fn image_config(spec: &ImageSpec, layer: &Digest) -> Result<ImageConfiguration> {
+    let ports = spec.exposed_ports.iter().map(|p| format!("{p}/tcp"));
+    let config = ConfigBuilder::default()
+        .user(spec.user.clone())
+        .entrypoint(spec.entrypoint.clone())
+        .env(spec.env.clone())
+        .exposed_ports(ports.collect::<Vec<_>>())
+        .build()?;
+    let rootfs = RootFsBuilder::default()
+        .typ("layers")
+        .diff_ids(vec![layer.to_string()])
+        .build()?;
+    let history = HistoryBuilder::default()
+        .created_by("flotilla-e2e oci builder")
+        .build()?;
+    Ok(ImageConfigurationBuilder::default()
+        .architecture(Arch::Amd64)
+        .os(Os::Linux)
+        .config(config)
+        .rootfs(rootfs)
+        .history(vec![history])
+        .build()?)
+}
+
+/// The index: the one manifest (`digest`, `size` bytes), named as containerd stores the image.
+fn index_of(spec: &ImageSpec, digest: Digest, size: usize) -> Result<Vec<u8>> {
+    let tag = spec.name.rsplit_once(':').map_or("latest", |(_, t)| t);
+    let platform = PlatformBuilder::default()
+        .architecture(Arch::Amd64)
+        .os(Os::Linux)
+        .build()?;
+    let manifest = DescriptorBuilder::default()
+        .media_type(MediaType::ImageManifest)
+        .digest(digest)
+        .size(size as u64)
+        .platform(platform)
+        .annotations(HashMap::from([
+            ("io.containerd.image.name".to_string(), spec.name.clone()),
+            (
+                "org.opencontainers.image.ref.name".to_string(),
+                tag.to_string(),
+            ),
+        ]))
+        .build()?;
+    canonical(
+        &ImageIndexBuilder::default()
+            .schema_version(SCHEMA_VERSION)
+            .media_type(MediaType::ImageIndex)
+            .manifests(vec![manifest])
+            .build()?,
+    )
+}
+
 /// Writes `spec` as an OCI image layout tar archive to `out`; returns the manifest digest.
 pub fn write_archive(spec: &ImageSpec, out: &Path) -> Result<String> {
     let layer = layer(&spec.entries)?;
     let layer_digest = digest(&layer);
-    let ports: serde_json::Map<String, serde_json::Value> = spec
-        .exposed_ports
-        .iter()
-        .map(|p| (format!("{p}/tcp"), json!({})))
-        .collect();
-    let config = serde_json::to_vec(&json!({
-        "architecture": "amd64",
-        "os": "linux",
-        "config": {
-            "User": spec.user,
-            "Entrypoint": spec.entrypoint,
-            "Env": spec.env,
-            "ExposedPorts": ports,
-        },
-        "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
-        "history": [{"created_by": "flotilla-e2e oci builder"}],
-    }))?;
+    let config = canonical(&image_config(spec, &layer_digest)?)?;
     let config_digest = digest(&config);
-    let manifest = serde_json::to_vec(&json!({
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {
-            "mediaType": "application/vnd.oci.image.config.v1+json",
-            "digest": config_digest,
-            "size": config.len(),
-        },
-        "layers": [{
-            "mediaType": "application/vnd.oci.image.layer.v1.tar",
-            "digest": layer_digest,
-            "size": layer.len(),
-        }],
-    }))?;
+    let manifest = canonical(
+        &ImageManifestBuilder::default()
+            .schema_version(SCHEMA_VERSION)
+            .media_type(MediaType::ImageManifest)
+            .config(Descriptor::new(
+                MediaType::ImageConfig,
+                config.len() as u64,
+                config_digest.clone(),
+            ))
+            .layers(vec![Descriptor::new(
+                MediaType::ImageLayer,
+                layer.len() as u64,
+                layer_digest.clone(),
+            )])
+            .build()?,
+    )?;
     let manifest_digest = digest(&manifest);
-    let tag = spec.name.rsplit_once(':').map_or("latest", |(_, t)| t);
-    let index = serde_json::to_vec(&json!({
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.index.v1+json",
-        "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "digest": manifest_digest,
-            "size": manifest.len(),
-            "platform": {"architecture": "amd64", "os": "linux"},
-            "annotations": {
-                "io.containerd.image.name": spec.name,
-                "org.opencontainers.image.ref.name": tag,
-            },
-        }],
-    }))?;
+    let index = index_of(spec, manifest_digest.clone(), manifest.len())?;
+    let layout = canonical(
+        &OciLayoutBuilder::default()
+            .image_layout_version("1.0.0")
+            .build()?,
+    )?;
     let tmp = out.with_extension("tmp");
     let file =
         std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
@@ -249,21 +295,18 @@ pub fn write_archive(spec: &ImageSpec, out: &Path) -> Result<String> {
         b.append_data(&mut h, name, data)?;
         Ok(())
     };
-    add("oci-layout", br#"{"imageLayoutVersion":"1.0.0"}"#)?;
+    add("oci-layout", &layout)?;
     add("index.json", &index)?;
     for (d, data) in [
         (&layer_digest, &layer),
         (&config_digest, &config),
         (&manifest_digest, &manifest),
     ] {
-        add(
-            &format!("blobs/sha256/{}", d.trim_start_matches("sha256:")),
-            data,
-        )?;
+        add(&format!("blobs/sha256/{}", d.digest()), data)?;
     }
     b.into_inner()?.into_inner()?.sync_all()?;
     std::fs::rename(&tmp, out)?;
-    Ok(manifest_digest)
+    Ok(manifest_digest.to_string())
 }
 
 #[cfg(test)]
@@ -321,12 +364,12 @@ mod tests {
         assert_eq!(config["config"]["User"], "65532:65532");
         assert_eq!(
             config["config"]["Entrypoint"],
-            json!(["/usr/local/bin/flotilla-hub"])
+            serde_json::json!(["/usr/local/bin/flotilla-hub"])
         );
         let layer = blob(&manifest["layers"][0]["digest"]);
         assert_eq!(
             config["rootfs"]["diff_ids"][0].as_str().unwrap(),
-            digest(&layer)
+            digest(&layer).to_string()
         );
         let mut l = tar::Archive::new(layer.as_slice());
         let mut found = None;

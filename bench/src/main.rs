@@ -1,7 +1,8 @@
-//! `flotilla-e2e bench <scenario> [--json]`: every figure of `BENCHMARKS.md` from one
+//! `flotilla-bench <scenario> [--json]`: every figure of `BENCHMARKS.md` from one
 //! command. Each scenario measures its baseline in the same run and prints one table;
 //! with `--json`, one JSON object on the last line of stdout. Progress goes to stderr.
-//! Timings are reported, never asserted.
+//! Timings are reported, never asserted. The scenarios on a real environment use the
+//! lab's (`flotilla_lab`), in `$FLOTILLA_E2E_DIR` like `flotilla-e2e`.
 //!
 //! - [`fanout`]: one hub process against K load-generating agents over real TLS, and the
 //!   floor (a bare tonic stream of the same messages); also `resync`, the same agents
@@ -14,20 +15,49 @@
 //! - [`stats`]: percentiles, the bootstrap interval and the verdict (pure, tested),
 //! - [`procstat`]: peak RSS and CPU time of one process, from `/proc`.
 
-pub mod fanout;
-pub mod footprint;
-pub mod join;
-pub mod latency;
-pub mod procstat;
-pub mod stats;
+mod fanout;
+mod footprint;
+mod join;
+mod latency;
+mod procstat;
+mod stats;
 
 use std::future::Future;
 use std::path::Path;
+use std::process::ExitCode;
 
 use anyhow::{Context, Result};
+use clap::Parser;
+use flotilla_lab::{Env, Provider, env};
 use serde_json::Value;
 
-use crate::{Env, Provider};
+#[derive(Parser)]
+#[command(
+    name = "flotilla-bench",
+    about = "Flotilla's benchmarks, each against a baseline measured in the same run (see BENCHMARKS.md)"
+)]
+struct Cli {
+    // The lab's state directory, for the scenarios on a real environment.
+    #[command(flatten)]
+    dir: env::DirArg,
+    /// Also print the figures as one JSON object on the last line
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli.scenario, cli.json, &cli.dir.resolve()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("flotilla-bench: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
 
 /// A scenario's result: a table for people, an object for machines.
 #[derive(Debug, Clone)]
@@ -142,7 +172,7 @@ mod tests {
 
 /// The scenarios.
 #[derive(clap::Subcommand, Debug)]
-pub enum Scenario {
+enum Scenario {
     /// One hub process against K load-generating agents over TLS, against a bare stream
     Fanout(fanout::Size),
     /// Propagation latency on the real environment (host + 2 members) against the watch
@@ -183,7 +213,7 @@ where
     F: FnOnce(Env) -> Fut,
     Fut: Future<Output = Result<Report>>,
 {
-    if crate::status::is_up(dir).await {
+    if flotilla_lab::status::is_up(dir).await {
         eprintln!(
             "bench {scenario}: using the running environment in {}",
             dir.display()
@@ -195,18 +225,18 @@ where
         dir.display()
     );
     let result = tokio::select! {
-        r = async { measure(crate::up(dir, 2, Provider::Local).await?).await } => r,
+        r = async { measure(flotilla_lab::up(dir, 2, Provider::Local).await?).await } => r,
         _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
     };
-    if let Err(e) = crate::down(dir).await {
+    if let Err(e) = flotilla_lab::down(dir).await {
         eprintln!("bench {scenario}: taking the environment down failed: {e:#}");
     }
     result
 }
 
-/// Runs a scenario and prints its report; `dir` is the e2e state directory (the
+/// Runs a scenario and prints its report; `dir` is the lab's state directory (the
 /// scenarios on the real environment).
-pub async fn run(scenario: Scenario, json: bool, dir: &Path) -> Result<()> {
+async fn run(scenario: Scenario, json: bool, dir: &Path) -> Result<()> {
     let report = match scenario {
         Scenario::Fanout(size) => fanout::fanout(size).await?,
         Scenario::Resync(size) => fanout::resync(size).await?,

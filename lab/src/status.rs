@@ -42,7 +42,7 @@ pub async fn status(dir: &Path) -> Result<bool> {
         }
     }
     if env.real_nodes {
-        for node in crate::realnode::nodes(&env.dir) {
+        for node in crate::provider::realnode::nodes(&env.dir) {
             println!("  real node of {}", node.cluster);
             for p in node.all() {
                 let p = ProcessRecord {

@@ -36,6 +36,9 @@
 //! process in its namespaces (containerd, shims, the holder), removes the cgroups, the
 //! bridge and the node's directories.
 
+pub mod oci;
+pub mod pods;
+
 use crate::env::Env;
 use crate::process::{self, ProcessRecord};
 use anyhow::{Context, Result, bail};
@@ -158,7 +161,7 @@ pub fn ensure_bridge(net: &Network) -> Result<()> {
 
 /// What real-node mode needs from the machine, checked before anything starts.
 fn check_prerequisites() -> Result<()> {
-    if !nix::unistd::Uid::effective().is_root() {
+    if !rustix::process::geteuid().is_root() {
         bail!("real-node mode runs containerd and kubelets: it needs root");
     }
     let mut missing = Vec::new();
@@ -200,15 +203,7 @@ fn which(tool: &str) -> Option<PathBuf> {
 }
 
 fn run(cmd: &mut Command) -> Result<()> {
-    let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
-    if !out.status.success() {
-        bail!(
-            "{cmd:?} failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
+    run_out(cmd).map(drop)
 }
 
 fn run_out(cmd: &mut Command) -> Result<String> {
@@ -541,14 +536,39 @@ fn in_namespaces(netns: Option<u64>, mntns: Option<u64>) -> Vec<u32> {
 }
 
 fn kill_pids(pids: &[u32]) {
+    use rustix::process::{Pid, Signal, kill_process};
     for &pid in pids {
-        if let Ok(pid) = i32::try_from(pid) {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+        if let Some(pid) = i32::try_from(pid).ok().and_then(Pid::from_raw) {
+            let _ = kill_process(pid, Signal::KILL);
         }
     }
+}
+
+/// `up --real-nodes`, once the clusters run: the real nodes (with the pause image), then
+/// Flotilla itself as Pods on them, from deploy/ and `flotilla-hub join`. `start` is when
+/// `up` began, for the log.
+pub async fn install(env: &Env, start: Instant) -> Result<()> {
+    let bin = crate::provider::local::binaries(true).await?;
+    let images = images_dir(&env.dir);
+    std::fs::create_dir_all(&images)?;
+    let pause = images.join("pause.tar");
+    oci::write_archive(&oci::pause_image(&bin.join("pause"), PAUSE_IMAGE), &pause)?;
+    up(env, &bin, &[pause])
+        .await
+        .context("starting the real nodes")?;
+    eprintln!(
+        "flotilla-e2e: real nodes Ready after {:.1}s",
+        start.elapsed().as_secs_f64()
+    );
+    pods::up(env, &bin)
+        .await
+        .context("installing flotilla-hub and the agents as Pods")?;
+    eprintln!(
+        "flotilla-e2e: environment up in {:.1}s, hub and agents as Pods ({})",
+        start.elapsed().as_secs_f64(),
+        env.dir.display()
+    );
+    Ok(())
 }
 
 /// Starts the real node of every cluster (those already running are kept), imports
@@ -578,21 +598,12 @@ pub async fn up(env: &Env, bin: &Path, images: &[PathBuf]) -> Result<()> {
     }
     for c in &env.clusters {
         let nodes: Api<Node> = Api::all(env.client(&c.name).await?);
-        crate::wait_for(
+        crate::wait::await_object(
+            &nodes,
+            NODE_NAME,
             READY_TIMEOUT,
             &format!("node {NODE_NAME} of {} to be Ready", c.name),
-            || async {
-                let Some(n) = nodes.get_opt(NODE_NAME).await? else {
-                    return Ok(None);
-                };
-                let ready = n
-                    .status
-                    .and_then(|s| s.conditions)
-                    .unwrap_or_default()
-                    .iter()
-                    .any(|c| c.type_ == "Ready" && c.status == "True");
-                Ok(ready.then_some(()))
-            },
+            |n: Option<&Node>| n.is_some_and(crate::cluster::node_ready),
         )
         .await
         .with_context(|| {

@@ -1,4 +1,4 @@
-//! `flotilla-e2e bench latency`: propagation latency, host write → the member's watch
+//! `flotilla-bench latency`: propagation latency, host write → the member's watch
 //! sees the new MyApp, against a floor measured in the same run on the same clusters: a
 //! FederatedMyApp write seen by a host watch plus a MyApp write seen by a member watch
 //! (the two round trips any propagation needs, with the same kinds of object).
@@ -20,7 +20,7 @@ use serde_json::json;
 
 use super::stats::{self, Verdict};
 use super::{Report, cell, round};
-use crate::Env;
+use flotilla_lab::Env;
 
 const PROBE: &str = "latency-probe";
 /// Objects of the floor: a FederatedMyApp placed nowhere, a MyApp Flotilla does not manage.
@@ -183,8 +183,8 @@ pub async fn latency(env: &Env, samples: usize) -> Result<Report> {
     }
     let _ = myapps.delete(FLOOR, &DeleteParams::default()).await;
 
-    let hub_binary = crate::federation::Federation::load(env)
-        .and_then(|f| Ok(f.launch(crate::federation::HUB)?.program.clone()))
+    let hub_binary = flotilla_lab::federation::Federation::load(env)
+        .and_then(|f| Ok(f.launch(flotilla_lab::federation::HUB)?.program.clone()))
         .map(|p| p.display().to_string())
         .unwrap_or_else(|_| "unknown".into());
     Ok(report(&member, samples, &hub_binary, &floor, &flotilla))

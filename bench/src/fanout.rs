@@ -1,13 +1,14 @@
-//! `bench fanout` and `bench resync`: one hub against K agents over real TLS on loopback.
+//! `flotilla-bench fanout` and `flotilla-bench resync`: one hub against K agents over real TLS on loopback.
 //!
 //! Three roles, two processes, so that the hub's figures are the hub's alone:
-//! - the **hub** runs in a child process (`flotilla-e2e bench serve hub`, this binary):
-//!   K MemberClusters in a reflector store, M FederatedMyApps planned with the
-//!   controller's own `plan_app` into the `Dispatcher` and the `StatusBoard`, and the
-//!   hub's `server::serve` (the tonic `FederationService`, TLS, keepalive, limits). It
-//!   has no host apiserver: the index is built the way the planner builds it after the
-//!   stores listed, and status is aggregated in memory but not written out;
-//! - the **floor** runs in the same kind of child (`bench serve floor`): a bare tonic
+//! - the **hub** runs in a child process (`flotilla-bench serve hub`, this binary):
+//!   K MemberClusters in a reflector store, M FederatedMyApps planned with the hub's
+//!   own planning core (`flotilla_plan::plan`) into the `Dispatcher` and the
+//!   `StatusBoard`, and the hub's `server::serve` (the tonic `FederationService`, TLS,
+//!   keepalive, limits). It has no host apiserver: the index is built the way the planner
+//!   builds it after the stores listed, and status is aggregated in memory but not
+//!   written out;
+//! - the **floor** runs in the same kind of child (`flotilla-bench serve floor`): a bare tonic
 //!   service streaming, per cluster, the same number of Apply messages of the same size,
 //!   then a SyncComplete listing the same keys, with no index, queue or authentication;
 //! - the **agents** are load generators in this (the parent) process: each dials with
@@ -192,14 +193,14 @@ impl Role {
     }
 }
 
-/// `bench serve <role>`: sets up, prints `ready <addr> <setup seconds>`, serves until
+/// `flotilla-bench serve <role>`: sets up, prints `ready <addr> <setup seconds>`, serves until
 /// stdin closes.
 pub async fn serve(role: Role, size: Size) -> Result<()> {
     size.check()?;
     let cert = std::env::var(CERT_VAR).with_context(|| format!("{CERT_VAR} is not set"))?;
     let key = std::env::var(KEY_VAR).with_context(|| format!("{KEY_VAR} is not set"))?;
     let identity = Identity::from_pem(cert, key);
-    let addr: SocketAddr = crate::support::free_addr()?.parse()?;
+    let addr: SocketAddr = flotilla_lab::support::free_addr()?.parse()?;
     let shutdown = CancellationToken::new();
     let start = Instant::now();
     // Held while serving: the hub closes its sessions when leadership ends.
@@ -239,7 +240,7 @@ pub async fn serve(role: Role, size: Size) -> Result<()> {
         }
     };
     let setup = start.elapsed();
-    crate::wait_for(Duration::from_secs(10), "the server to listen", || async {
+    flotilla_lab::wait_for(Duration::from_secs(10), "the server to listen", || async {
         Ok(tokio::net::TcpStream::connect(addr).await.ok().map(|_| ()))
     })
     .await?;
@@ -414,7 +415,7 @@ impl Child {
     ) -> Result<Child> {
         let exe = std::env::current_exe().context("locating this binary")?;
         let mut child = tokio::process::Command::new(exe)
-            .args(["bench", "serve", role.as_str()])
+            .args(["serve", role.as_str()])
             .args(size.args())
             .env(CERT_VAR, &tls.cert_pem)
             .env(KEY_VAR, &tls.key_pem)
@@ -743,7 +744,7 @@ pub async fn fanout(size: Size) -> Result<Report> {
         ],
         notes: vec![
             format!(
-                "hub set-up before the agents (plan_app: placement, overrides, render, hash; index; status board): {:.2} s ({:.0} pairs/s), {:.2} CPU s, RSS {:.0} MiB after it",
+                "hub set-up before the agents (flotilla_plan::plan: placement, overrides, render, hash; index; status board): {:.2} s ({:.0} pairs/s), {:.2} CPU s, RSS {:.0} MiB after it",
                 hub_setup_s,
                 pairs / hub_setup_s.max(1e-9),
                 setup.cpu_s,

@@ -1,4 +1,4 @@
-//! `flotilla-e2e bench footprint`: the agent's resident memory and idle CPU with N
+//! `flotilla-bench footprint`: the agent's resident memory and idle CPU with N
 //! MyApps (each reconciled into its Deployment and ConfigMap) on a real member, and the
 //! hub's resident memory per 1,000 cluster-app pairs. The baseline is the same two
 //! processes before the apps, in the same run. The apps are placed on every member, so
@@ -18,8 +18,8 @@ use serde_json::json;
 
 use super::procstat::{self, Sample};
 use super::{Report, cell, round};
-use crate::Env;
-use crate::federation::{Federation, HUB, agent_name};
+use flotilla_lab::Env;
+use flotilla_lab::federation::{Federation, HUB, agent_name};
 
 /// Labels the bench's FederatedMyApps, to delete them together.
 const LABEL: &str = "flotilla.io/bench=footprint";
@@ -139,7 +139,7 @@ pub async fn footprint(env: &Env, apps: usize) -> Result<Report> {
         .try_collect::<Vec<_>>()
         .await?;
     let written = start.elapsed();
-    crate::wait_for(
+    flotilla_lab::wait_for(
         TIMEOUT,
         &format!("{apps} MyApps reconciled on every member"),
         || async { Ok((everywhere().await? >= apps).then_some(())) },
@@ -165,7 +165,7 @@ pub async fn footprint(env: &Env, apps: usize) -> Result<Report> {
             .delete_collection(&DeleteParams::default(), &ListParams::default().labels(LABEL))
             .await
             .context("deleting the bench's FederatedMyApps")?;
-        crate::wait_for(TIMEOUT, "the bench's apps gone from every member", || async {
+        flotilla_lab::wait_for(TIMEOUT, "the bench's apps gone from every member", || async {
             let mut left = 0;
             for (deployments, configs) in &children {
                 left += reconciled(deployments, configs).await?;

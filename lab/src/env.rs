@@ -67,6 +67,25 @@ pub fn default_dir() -> PathBuf {
     }
 }
 
+/// `--dir`, for the commands that work on an environment (`flotilla-e2e`, `flotilla-bench`).
+#[derive(clap::Args, Debug)]
+pub struct DirArg {
+    /// State directory (relative paths are taken from the workspace root)
+    /// [default: <workspace>/target/e2e]
+    #[arg(long = "dir", global = true, env = DIR_VAR)]
+    dir: Option<PathBuf>,
+}
+
+impl DirArg {
+    /// The state directory it names, or [`default_dir`].
+    pub fn resolve(&self) -> PathBuf {
+        match &self.dir {
+            Some(d) => workspace_root().join(d),
+            None => default_dir(),
+        }
+    }
+}
+
 impl Env {
     pub(crate) fn new(
         dir: &Path,
@@ -157,7 +176,8 @@ impl Env {
         Ok(Some(env))
     }
 
-    pub(crate) fn save(&self) -> Result<()> {
+    /// Records the state in `<dir>/env.json` (written aside, then renamed).
+    pub fn save(&self) -> Result<()> {
         let path = self.dir.join(STATE_FILE);
         let tmp = self.dir.join(format!("{STATE_FILE}.tmp"));
         std::fs::write(&tmp, serde_json::to_vec_pretty(self)?)

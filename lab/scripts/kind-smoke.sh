@@ -5,7 +5,7 @@
 # kube-proxy and writes to a local-path volume. Then it deletes them and checks that no container,
 # volume, network or iptables rule of theirs is left. Needs root.
 #
-# Usage: bash e2e/scripts/kind-smoke.sh
+# Usage: bash lab/scripts/kind-smoke.sh
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)

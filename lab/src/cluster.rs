@@ -3,7 +3,7 @@
 //! Everything is server-side applied, so a second `up` changes nothing.
 
 use crate::env::Provider;
-use crate::wait::wait_for;
+use crate::wait::{await_object, wait_for};
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::{Node, ServiceAccount};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -46,12 +46,9 @@ pub async fn prepare(client: &Client, name: &str, provider: Provider) -> Result<
     // Pods need the namespace's default ServiceAccount, which kube-controller-manager
     // creates: waiting for it means the controllers run and tests can create pods at once.
     let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), "default");
-    wait_for(
-        READY_TIMEOUT,
-        &format!("the default ServiceAccount in {name}"),
-        || async { Ok(sas.get_opt("default").await?.map(|_| ())) },
-    )
-    .await?;
+    let what = format!("the default ServiceAccount in {name}");
+    let exists = |sa: Option<&ServiceAccount>| sa.is_some();
+    await_object(&sas, "default", READY_TIMEOUT, &what, exists).await?;
     Ok(())
 }
 
@@ -65,19 +62,19 @@ pub async fn install_crds(client: &Client) -> Result<()> {
         api.patch(&name, &pp, &Patch::Apply(&crd))
             .await
             .with_context(|| format!("applying CRD {name}"))?;
-        wait_for(
+        await_object(
+            &api,
+            &name,
             READY_TIMEOUT,
             &format!("CRD {name} to be Established"),
-            || async {
-                let crd = api.get(&name).await?;
-                Ok(established(&crd).then_some(()))
-            },
+            |crd: Option<&CustomResourceDefinition>| crd.is_some_and(established),
         )
         .await?;
     }
     Ok(())
 }
 
+/// Whether the CRD has condition Established=True.
 pub fn established(crd: &CustomResourceDefinition) -> bool {
     crd.status
         .as_ref()
@@ -86,6 +83,14 @@ pub fn established(crd: &CustomResourceDefinition) -> bool {
             cs.iter()
                 .any(|c| c.type_ == "Established" && c.status == "True")
         })
+}
+
+/// Whether the node has condition Ready=True.
+pub fn node_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
 /// Creates `count` Node objects that the KWOK controller (which kwokctl runs with
@@ -119,17 +124,12 @@ pub async fn fake_nodes(client: &Client, count: usize, cores: Option<u32>) -> Re
             .with_context(|| format!("applying node {name}"))?;
     }
     for name in &names {
-        wait_for(
+        await_object(
+            &api,
+            name,
             READY_TIMEOUT,
             &format!("node {name} to be Ready"),
-            || async {
-                let node = api.get(name).await?;
-                let ready = node
-                    .status
-                    .and_then(|s| s.conditions)
-                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-                Ok(ready.then_some(()))
-            },
+            |node: Option<&Node>| node.is_some_and(node_ready),
         )
         .await?;
     }

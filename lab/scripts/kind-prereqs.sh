@@ -10,7 +10,7 @@
 #   binaries and preloaded into the node's containerd (kind's node image build does the same).
 # What it changes on the machine is listed in e2e/README.md ("kind"). Needs root.
 #
-# Usage: eval "$(bash e2e/scripts/kind-prereqs.sh)"   prints `export KIND=...` and
+# Usage: eval "$(bash lab/scripts/kind-prereqs.sh)"   prints `export KIND=...` and
 #        `export FLOTILLA_KIND_IMAGE=...` on stdout, its log on stderr
 # Env:   FLOTILLA_K8S_VERSION, FLOTILLA_KIND_VERSION, FLOTILLA_DEBIAN_MIRROR, XDG_CACHE_HOME
 set -euo pipefail

@@ -1,4 +1,4 @@
-//! `flotilla-e2e bench join`: agent start → its MemberCluster Ready on the host, with the
+//! `flotilla-bench join`: agent start → its MemberCluster Ready on the host, with the
 //! cluster NotReady before each start (the agent stopped for longer than the heartbeat
 //! grace). The floor, in the same run: a new client's first write to the host seen by
 //! a host watch (a new TLS connection and one watch round trip, which any join needs).
@@ -15,8 +15,10 @@ use serde_json::json;
 
 use super::latency::{until, watch};
 use super::{Report, cell, round};
-use crate::Env;
-use crate::federation::{Federation, HEARTBEAT_GRACE, agent_name, member_ready, wait_member_ready};
+use flotilla_lab::Env;
+use flotilla_lab::federation::{
+    Federation, HEARTBEAT_GRACE, agent_name, member_ready, wait_member_ready,
+};
 
 const FLOOR: &str = "join-floor";
 

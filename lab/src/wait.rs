@@ -1,6 +1,12 @@
-//! Polling with a deadline: the one way tests and `up` wait for the clusters.
+//! Waiting with a deadline: [`await_object`] watches one object until it meets a
+//! condition (a CRD Established, a node or a MemberCluster Ready); [`wait_for`] polls
+//! anything else (lists, HTTP, metrics, several objects at once).
 
 use anyhow::{Result, anyhow};
+use kube::runtime::wait::{Condition, await_condition};
+use kube::{Api, Resource};
+use serde::de::DeserializeOwned;
+use std::fmt::Debug;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
@@ -25,14 +31,47 @@ where
             Err(e) => last_err = Some(e),
         }
         if Instant::now() >= deadline {
-            return Err(match last_err {
-                Some(e) => {
-                    anyhow!("timed out after {timeout:?} waiting for {what}; last error: {e:#}")
-                }
-                None => anyhow!("timed out after {timeout:?} waiting for {what}"),
-            });
+            return Err(timed_out(timeout, what, last_err));
         }
         tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Watches object `name` of `api` until `cond` holds for it (`cond` sees `None` while the
+/// object does not exist), or `timeout` passes; returns the object as it was then (`None`
+/// if `cond` held for its absence). As in [`wait_for`], an error is "not yet": the watch
+/// starts again after [`POLL`], and the last error is reported if time runs out.
+pub async fn await_object<K>(
+    api: &Api<K>,
+    name: &str,
+    timeout: Duration,
+    what: &str,
+    cond: impl Condition<K>,
+) -> Result<Option<K>>
+where
+    K: Clone + Debug + Send + DeserializeOwned + Resource + 'static,
+{
+    let deadline = Instant::now() + timeout;
+    let mut last_err = None;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let watch = await_condition(api.clone(), name, |o: Option<&K>| cond.matches_object(o));
+        match tokio::time::timeout(left, watch).await {
+            Ok(Ok(object)) => return Ok(object),
+            Ok(Err(e)) => last_err = Some(anyhow::Error::new(e)),
+            Err(_) => return Err(timed_out(timeout, what, last_err)),
+        }
+        if Instant::now() >= deadline {
+            return Err(timed_out(timeout, what, last_err));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+fn timed_out(timeout: Duration, what: &str, last_err: Option<anyhow::Error>) -> anyhow::Error {
+    match last_err {
+        Some(e) => anyhow!("timed out after {timeout:?} waiting for {what}; last error: {e:#}"),
+        None => anyhow!("timed out after {timeout:?} waiting for {what}"),
     }
 }
 

@@ -458,15 +458,15 @@ pub async fn wait_member_ready(
 ) -> Result<()> {
     let members: Api<MemberCluster> = Api::all(host.clone());
     let state = if ready { "Ready" } else { "NotReady" };
-    crate::wait_for(
+    crate::wait::await_object(
+        &members,
+        member,
         timeout,
         &format!("MemberCluster {member} {state}"),
-        || async {
-            let mc = members.get(member).await?;
-            Ok((member_ready(&mc) == ready).then_some(()))
-        },
+        |mc: Option<&MemberCluster>| mc.is_some_and(|mc| member_ready(mc) == ready),
     )
-    .await
+    .await?;
+    Ok(())
 }
 
 /// Removes the federation's launch records, certificates and tokens.

@@ -1,19 +1,21 @@
 //! Small plumbing that the environment and the tests share and that belongs to no stage:
-//! the workspace root, the project's built binaries, free loopback ports, a plain HTTP GET
-//! and reading one value out of Prometheus text.
+//! the workspace root, the project's built binaries, free loopback ports, an HTTP GET
+//! (hyper's client) and reading one series out of Prometheus text (`prometheus-parse`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// The workspace root, known at compile time (the binary and the tests live in it).
+/// The workspace root, known at compile time (the binaries and the tests live in it).
 pub fn workspace_root() -> PathBuf {
-    let e2e = Path::new(env!("CARGO_MANIFEST_DIR"));
-    e2e.parent().unwrap_or(e2e).to_path_buf()
+    let lab = Path::new(env!("CARGO_MANIFEST_DIR"));
+    lab.parent().unwrap_or(lab).to_path_buf()
 }
 
 /// Builds the named `(package, binary)` pairs of the workspace (a no-op when they are
@@ -134,49 +136,43 @@ fn ephemeral_start() -> u16 {
         .unwrap_or(32768)
 }
 
-/// A plain HTTP/1.0 GET on loopback: (status code, body).
+/// An HTTP GET of `http://{addr}{path}`: (status code, body).
 pub async fn http_get(addr: &str, path: &str) -> Result<(u16, String)> {
-    let mut stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .with_context(|| format!("connecting to {addr}"))?;
-    stream
-        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
-        .await?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await?;
-    parse_response(&response).with_context(|| format!("GET http://{addr}{path}"))
+    let url = format!("http://{addr}{path}");
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
+    let get = async {
+        let response = client.get(url.parse()?).await?;
+        let code = response.status().as_u16();
+        let body = response.into_body().collect().await?.to_bytes();
+        anyhow::Ok((code, String::from_utf8_lossy(&body).into_owned()))
+    };
+    get.await.with_context(|| format!("GET {url}"))
 }
 
-fn parse_response(response: &str) -> Result<(u16, String)> {
-    let code = response
-        .strip_prefix("HTTP/")
-        .and_then(|r| r.split_whitespace().nth(1))
-        .and_then(|c| c.parse().ok())
-        .with_context(|| format!("malformed HTTP response {:?}", truncate(response)))?;
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    Ok((code, body))
-}
-
-fn truncate(s: &str) -> &str {
-    s.char_indices().nth(80).map_or(s, |(i, _)| &s[..i])
-}
-
-/// The value of one sample in Prometheus text, by its exact name and labels as printed
-/// (`name{a="x",b="y"}`); 0 when absent (a counter never incremented is not printed).
-pub fn sample(metrics: &str, name_and_labels: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let rest = l.strip_prefix(name_and_labels)?;
-            // The name must end here: `foo_total` is not a sample of `foo`.
-            let value = rest.strip_prefix(' ')?;
-            value.split_whitespace().next()?.parse().ok()
+/// The value of one series in Prometheus text, named as printed (`name{a="x",b="y"}`; the
+/// labels in any order); 0 when absent (a counter never incremented is not printed).
+/// Counters, gauges and untyped samples (a histogram's `_sum` and `_count` among them).
+pub fn sample(metrics: &str, series: &str) -> f64 {
+    // The series is parsed as a sample line of its own, so both sides agree on names and labels.
+    let Some(wanted) = scrape(&format!("{series} 0")).pop() else {
+        return 0.0;
+    };
+    scrape(metrics)
+        .into_iter()
+        .find(|s| s.metric == wanted.metric && s.labels == wanted.labels)
+        .and_then(|s| match s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => Some(v),
+            _ => None,
         })
         .unwrap_or(0.0)
+}
+
+fn scrape(text: &str) -> Vec<prometheus_parse::Sample> {
+    let lines = text.lines().map(|l| Ok(l.to_owned()));
+    // Reading lines from a string cannot fail.
+    prometheus_parse::Scrape::parse(lines).map_or_else(|_| Vec::new(), |s| s.samples)
 }
 
 #[cfg(test)]
@@ -233,27 +229,54 @@ mod tests {
         assert_eq!(sample(text, "x_tot"), 0.0, "a prefix of a name is no match");
         assert_eq!(sample("", "x"), 0.0);
         assert_eq!(sample("x garbage", "x"), 0.0);
+        let two = "x{a=\"1\",b=\"2\"} 3\n";
+        assert_eq!(
+            sample(two, "x{b=\"2\",a=\"1\"}"),
+            3.0,
+            "labels in any order"
+        );
+        assert_eq!(
+            sample(two, "x{a=\"1\"}"),
+            0.0,
+            "a subset of the labels is no match"
+        );
     }
 
-    #[test]
-    fn responses_parse_or_fail_naming_what_came() {
+    /// A server on loopback that answers its first connection with `response` and closes.
+    async fn canned(response: &'static str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let _ = conn.read(&mut [0; 1024]).await;
+            let _ = conn.write_all(response.as_bytes()).await;
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn responses_parse_or_fail_naming_what_came() {
+        let addr = canned("HTTP/1.1 503 Service Unavailable\r\nA: b\r\n\r\nnot ready").await;
         assert_eq!(
-            parse_response("HTTP/1.1 503 Service Unavailable\r\nA: b\r\n\r\nnot ready").unwrap(),
+            http_get(&addr, "/readyz").await.unwrap(),
             (503, "not ready".into())
         );
-        assert_eq!(
-            parse_response("HTTP/1.0 200 OK\r\n\r\n").unwrap(),
-            (200, String::new())
-        );
-        assert_eq!(
-            parse_response("HTTP/1.0 204 No Content").unwrap(),
-            (204, String::new())
-        );
-        for bad in ["", "garbage", "HTTP/1.1 abc", "SSH-2.0-OpenSSH 200"] {
-            let e = parse_response(bad).unwrap_err();
+        let addr = canned("HTTP/1.0 200 OK\r\n\r\n").await;
+        assert_eq!(http_get(&addr, "/").await.unwrap(), (200, String::new()));
+        let addr = canned("HTTP/1.0 204 No Content\r\n\r\n").await;
+        assert_eq!(http_get(&addr, "/").await.unwrap(), (204, String::new()));
+        for bad in [
+            "",
+            "garbage",
+            "HTTP/1.1 abc\r\n\r\n",
+            "SSH-2.0-OpenSSH 200\r\n",
+        ] {
+            let addr = canned(bad).await;
+            let e = http_get(&addr, "/metrics").await.unwrap_err();
             assert!(
-                format!("{e}").contains("malformed HTTP response"),
-                "{bad}: {e}"
+                format!("{e:#}").contains(&format!("GET http://{addr}/metrics")),
+                "{bad}: {e:#}"
             );
         }
     }
