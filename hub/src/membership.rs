@@ -31,6 +31,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::Store;
+use kube::runtime::watcher;
 use parking_lot::Mutex;
 use serde_json::Value;
 use tokio::sync::watch;
@@ -146,8 +147,13 @@ impl Debounce {
 /// cluster's agent, tells the status board which clusters are Ready, and bumps `changed`
 /// whenever the registered clusters change. A watch never ends by itself; if it does,
 /// the hub must stop.
+///
+/// The store shows a (re-)list only at its `InitDone`, all at once: what the store holds
+/// is read after an `Apply`, a `Delete` or an `InitDone`, never after an `InitApply`
+/// (the first list would otherwise leave the board with no Ready cluster, and a quiet
+/// fleet sends no later event to correct it).
 pub async fn watch_members(
-    events: impl Stream<Item = Result<MemberCluster, kube::runtime::watcher::Error>>,
+    events: impl Stream<Item = Result<watcher::Event<MemberCluster>, watcher::Error>>,
     members: Store<MemberCluster>,
     dispatcher: Arc<Dispatcher>,
     membership: Arc<Membership>,
@@ -173,24 +179,29 @@ pub async fn watch_members(
                 continue;
             }
         };
-        let member = match event {
-            Some(Ok(member)) => member,
+        let event = match event {
+            Some(Ok(event)) => event,
             Some(Err(e)) => {
                 warn!(error = %e, "watching MemberClusters");
                 continue;
             }
             None => break,
         };
+        if let watcher::Event::Apply(member) | watcher::Event::InitApply(member) = &event
+            && let Some(confirmed) = member.annotations().get(CONFIRM_COLLECTION_ANNOTATION)
+        {
+            let name = member.name_any();
+            if confirm_collection(&api, &dispatcher, &name, confirmed).await {
+                membership.collection_confirmed(&name);
+            }
+        }
+        if matches!(event, watcher::Event::Init | watcher::Event::InitApply(_)) {
+            continue;
+        }
         for session in dispatcher.sessions() {
             if auth::revoked(&members, &session.identity) {
                 info!(cluster = %session.cluster(), "credential revoked or rotated, or MemberCluster deleted: closing its session");
                 dispatcher.close(session.cluster());
-            }
-        }
-        if let Some(confirmed) = member.annotations().get(CONFIRM_COLLECTION_ANNOTATION) {
-            let name = member.name_any();
-            if confirm_collection(&api, &dispatcher, &name, confirmed).await {
-                membership.collection_confirmed(&name);
             }
         }
         if let Some(status) = &membership.status {

@@ -155,7 +155,6 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     });
     let (members_changed, members_changed_rx) = watch::channel(Default::default());
     let (member_events, members_listed) = watch_all(&client, members_writer);
-    let member_events = member_events.touched_objects();
     let (app_events, apps_listed) = watch_all(&client, apps_writer);
     let (triggers, triggers_rx) = mpsc::unbounded_channel();
     let (applied, applied_rx) = mpsc::unbounded_channel();

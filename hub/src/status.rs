@@ -212,6 +212,11 @@ impl StatusBoard {
         self.dirty.mark_all(keys);
     }
 
+    #[cfg(test)]
+    pub(crate) fn reachable(&self) -> HashSet<String> {
+        (*self.board.lock().reachable).clone()
+    }
+
     /// The cluster's agent has given this hub every report (it heartbeated after them).
     pub fn heard(&self, cluster: &str) {
         let mut b = self.board.lock();

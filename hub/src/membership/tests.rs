@@ -334,3 +334,55 @@ fn the_board_hears_heartbeats_and_readiness() {
         HashSet::from(["c1".to_owned()])
     );
 }
+
+fn member(name: &str, ready: bool) -> MemberCluster {
+    let now = Time(Timestamp::now());
+    let mut m = MemberCluster::new(name, Default::default());
+    m.status = Some(MemberClusterStatus {
+        conditions: vec![condition::new("Ready", ready, "X", "", None, &now)],
+        ..Default::default()
+    });
+    m
+}
+
+/// The board's Ready clusters after a MemberCluster watch that delivers `lists` (each a
+/// complete list, as at a start or a re-list), and whether the planner heard of them.
+async fn ready_after(lists: Vec<Vec<MemberCluster>>) -> (HashSet<String>, bool) {
+    use watcher::Event::{Init, InitApply, InitDone};
+    let board = Arc::new(StatusBoard::default());
+    let membership = Arc::new(Membership::new(Duration::from_secs(40)).with_status(board.clone()));
+    let (members, writer) = reflector::store::<MemberCluster>();
+    let (changed, changes) = watch::channel(MemberChanges::default());
+    // Never called: no MemberCluster here asks for a collection to be confirmed.
+    let client =
+        kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().unwrap())).unwrap();
+    let events = lists.into_iter().flat_map(|list| {
+        std::iter::once(Init)
+            .chain(list.into_iter().map(InitApply))
+            .chain(std::iter::once(InitDone))
+    });
+    let events = reflector(writer, futures::stream::iter(events.map(Ok)));
+    let dispatcher = Arc::new(Dispatcher::default());
+    let ended = watch_members(events, members, dispatcher, membership, changed, client).await;
+    assert!(ended.is_err(), "a watch that ends is an error");
+    let heard = changes.borrow().clusters > 0;
+    (board.reachable(), heard)
+}
+
+/// The store shows a list only at its InitDone: the board must learn the Ready clusters
+/// then, at the hub's start and at every re-list, with no later event to help (a quiet
+/// fleet writes none). Reading the store at each InitApply left the board with no Ready
+/// cluster after a hub start, so every app read AgentDisconnected.
+#[tokio::test]
+async fn the_board_learns_the_ready_clusters_when_a_list_completes() {
+    let first = vec![member("c1", true), member("c2", false)];
+    assert_eq!(
+        ready_after(vec![first.clone()]).await,
+        (HashSet::from(["c1".to_owned()]), true)
+    );
+    let relisted = vec![member("c1", false), member("c2", true)];
+    assert_eq!(
+        ready_after(vec![first, relisted]).await.0,
+        HashSet::from(["c2".to_owned()])
+    );
+}
