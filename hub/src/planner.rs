@@ -14,7 +14,7 @@
 //! (`Dispatcher::planned_for`). A standby plans as the leader does, and so stays warm:
 //! only the leader serves agents and writes to the host.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::hash::Hash;
 use std::sync::Arc;
 
@@ -25,10 +25,10 @@ use flotilla_crds::{FederatedMyApp, MemberCluster};
 use flotilla_plan::AppPlan;
 use flotilla_plan::index::{AppKey, Desired};
 use flotilla_plan::planner::{self, Apps, Effects, Trigger, key_of, orphans};
-use futures::{Stream, StreamExt, TryStreamExt};
+use futures::{Stream, StreamExt};
 use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, predicates, watcher};
+use kube::runtime::watcher;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -228,27 +228,68 @@ pub async fn watch_apps(
     controller: mpsc::UnboundedSender<FederatedMyApp>,
 ) -> anyhow::Result<()> {
     let mut departures = Departures::new(|app: &FederatedMyApp| (key_of(app), orphans(app)));
-    let gone = triggers.clone();
-    let applied = events
-        .inspect_ok(move |event| {
-            for (key, orphan) in departures.gone(event) {
-                let _ = gone.send(Trigger::Gone { key, orphan });
-            }
-        })
-        .applied_objects()
-        .predicate_filter(predicates::generation, Default::default());
-    let mut applied = std::pin::pin!(applied);
-    while let Some(app) = applied.next().await {
-        match app {
-            Ok(app) => {
-                let _ = triggers.send(Trigger::Applied(key_of(&app)));
-                let _ = controller.send(app);
-            }
+    let mut applied = Applied::default();
+    let mut events = std::pin::pin!(events);
+    while let Some(event) = events.next().await {
+        let event = match event {
+            Ok(event) => event,
             // The watch retries with backoff; say why it had to.
-            Err(e) => warn!(error = %e, "watching FederatedMyApps"),
+            Err(e) => {
+                warn!(error = %e, "watching FederatedMyApps");
+                continue;
+            }
+        };
+        for (key, orphan) in departures.gone(&event) {
+            let _ = triggers.send(Trigger::Gone { key, orphan });
+        }
+        for app in applied.take(event) {
+            let _ = triggers.send(Trigger::Applied(key_of(&app)));
+            let _ = controller.send(app);
         }
     }
     anyhow::bail!("the FederatedMyApp watch ended")
+}
+
+/// The apps a watch shows applied: each new object or new generation once. Those of a
+/// (re-)list only at its `InitDone`, when the store shows them: the planner reads the
+/// app from the store, and a trigger it took while the store still held the old object
+/// would plan that, and no later trigger would come for the new generation (a deletion
+/// or a placement change made while the watch was down would never be planned).
+#[derive(Default)]
+struct Applied {
+    /// The UID and generation last handed on, by app.
+    seen: HashMap<AppKey, (Option<String>, Option<i64>)>,
+    /// The list in progress, from `Init` to `InitDone`.
+    relist: Option<Vec<FederatedMyApp>>,
+}
+
+impl Applied {
+    fn take(&mut self, event: watcher::Event<FederatedMyApp>) -> Vec<FederatedMyApp> {
+        match event {
+            watcher::Event::Init => self.relist = Some(Vec::new()),
+            watcher::Event::InitApply(app) => self.relist.get_or_insert_default().push(app),
+            watcher::Event::InitDone => {
+                let listed = self.relist.take().unwrap_or_default();
+                let keys: HashSet<AppKey> = listed.iter().map(key_of).collect();
+                self.seen.retain(|key, _| keys.contains(key));
+                return listed.into_iter().filter(|app| self.is_new(app)).collect();
+            }
+            watcher::Event::Apply(app) => {
+                if self.is_new(&app) {
+                    return vec![app];
+                }
+            }
+            watcher::Event::Delete(app) => {
+                self.seen.remove(&key_of(&app));
+            }
+        }
+        Vec::new()
+    }
+
+    fn is_new(&mut self, app: &FederatedMyApp) -> bool {
+        let now = (app.uid(), app.metadata.generation);
+        self.seen.insert(key_of(app), now.clone()) != Some(now)
+    }
 }
 
 /// Which objects a watch shows gone: those it reports deleted, and those a re-list no
@@ -382,5 +423,92 @@ mod tests {
         list(&mut d, &[named("a", "1", true), named("b", "2", false)]);
         let gone = list(&mut d, &[named("a", "9", false), named("b", "2", false)]);
         assert_eq!(gone, vec![(AppKey::new("n", "a"), true)]);
+    }
+
+    fn at(mut app: FederatedMyApp, generation: i64) -> FederatedMyApp {
+        app.metadata.generation = Some(generation);
+        app
+    }
+
+    fn names(apps: Vec<FederatedMyApp>) -> Vec<(String, Option<i64>)> {
+        apps.into_iter()
+            .map(|a| (a.name_any(), a.metadata.generation))
+            .collect()
+    }
+
+    /// Each new object or generation once; a list's only at its InitDone, and a list
+    /// that restarts before its end hands on nothing of its partial view.
+    #[test]
+    fn applied_apps_are_handed_on_once_and_a_lists_at_its_end() {
+        use watcher::Event::{Apply, Delete, Init, InitApply, InitDone};
+        let (a, b) = (named("a", "1", false), named("b", "2", false));
+        let mut applied = Applied::default();
+        assert!(applied.take(Init).is_empty());
+        assert!(applied.take(InitApply(at(a.clone(), 1))).is_empty());
+        assert!(applied.take(InitApply(at(b.clone(), 1))).is_empty());
+        let first = names(applied.take(InitDone));
+        assert_eq!(first, [("a".into(), Some(1)), ("b".into(), Some(1))]);
+        assert!(
+            applied.take(Apply(at(a.clone(), 1))).is_empty(),
+            "same generation"
+        );
+        assert_eq!(
+            names(applied.take(Apply(at(a.clone(), 2)))),
+            [("a".into(), Some(2))]
+        );
+        // A re-list that restarts, then completes without b and with a's generation 3.
+        applied.take(Init);
+        assert!(applied.take(InitApply(at(a.clone(), 3))).is_empty());
+        applied.take(Init);
+        assert!(applied.take(InitApply(at(a.clone(), 3))).is_empty());
+        assert_eq!(names(applied.take(InitDone)), [("a".into(), Some(3))]);
+        // b, forgotten when the list no longer held it, is new when it comes back; so
+        // is another object under a's name, and a after its Delete.
+        assert_eq!(
+            names(applied.take(Apply(at(b.clone(), 1)))),
+            [("b".into(), Some(1))]
+        );
+        let a_again = at(named("a", "9", false), 3);
+        assert_eq!(
+            names(applied.take(Apply(a_again.clone()))),
+            [("a".into(), Some(3))]
+        );
+        applied.take(Delete(a_again.clone()));
+        assert_eq!(names(applied.take(Apply(a_again))), [("a".into(), Some(3))]);
+    }
+
+    /// A re-list's new generation reaches the planner only once the store shows it: a
+    /// trigger taken earlier would plan the old object, and none would follow.
+    #[tokio::test]
+    async fn a_relisted_app_is_announced_once_the_store_shows_it() {
+        use watcher::Event::{Init, InitApply, InitDone};
+        let (store, writer) = kube::runtime::reflector::store::<FederatedMyApp>();
+        let (events, rx) = futures::channel::mpsc::unbounded();
+        let (triggers, mut triggered) = mpsc::unbounded_channel();
+        let (controller, _applied) = mpsc::unbounded_channel();
+        let watch = tokio::spawn(watch_apps(
+            kube::runtime::reflector(writer, rx),
+            triggers,
+            controller,
+        ));
+        let a = named("a", "1", false);
+        let send = |event| events.unbounded_send(Ok(event)).unwrap();
+        for event in [Init, InitApply(at(a.clone(), 1)), InitDone] {
+            send(event);
+        }
+        assert!(matches!(triggered.recv().await, Some(Trigger::Applied(_))));
+        // The watch restarts; the app changed meanwhile.
+        send(Init);
+        send(InitApply(at(a.clone(), 2)));
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(
+            triggered.try_recv().is_err(),
+            "announced before the store shows it"
+        );
+        send(InitDone);
+        assert!(matches!(triggered.recv().await, Some(Trigger::Applied(_))));
+        let shown = store.get(&ObjectRef::new("a").within("n")).unwrap();
+        assert_eq!(shown.metadata.generation, Some(2));
+        watch.abort();
     }
 }
