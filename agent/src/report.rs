@@ -19,8 +19,13 @@ use crate::capacity;
 /// What the session's work tells the report loop.
 #[derive(Debug, PartialEq)]
 pub enum Notice {
-    /// A try of the hub's request for `key` ended; `error` until one succeeds.
-    Tried { key: Key, error: Option<String> },
+    /// A try of the hub's request for `key` ended; `error` until one succeeds. `applied`:
+    /// it was an Apply, and the apiserver took it.
+    Tried {
+        key: Key,
+        error: Option<String>,
+        applied: bool,
+    },
     /// The circuit breaker holds back a collection.
     CollectionBlocked(pb::CollectionBlocked),
 }
@@ -50,7 +55,7 @@ pub async fn report_loop(
         let open = tokio::select! {
             _ = tick.tick() => heartbeat_and_capacity(&tx, capacity.as_mut()).await,
             Some(notice) = notices.recv() => match notice {
-                Notice::Tried { key, error } => reports.tried(key, error),
+                Notice::Tried { key, error, applied } => reports.tried(key, error, applied),
                 Notice::CollectionBlocked(blocked) => {
                     let blocked = agent(agent_message::Kind::CollectionBlocked(blocked));
                     tx.send(blocked).await.is_ok()
@@ -107,11 +112,18 @@ impl Reports {
         true
     }
 
-    fn tried(&mut self, key: Key, error: Option<String>) -> bool {
+    /// The outcome is reported, even if it reads like the last report; but a MyApp just
+    /// applied that the cache does not show yet is reported when the watch brings it:
+    /// read from the cache now, it would say "gone", which the hub takes as a confirmed
+    /// deletion (and answers with the Apply again).
+    fn tried(&mut self, key: Key, error: Option<String>, applied: bool) -> bool {
         match error {
             Some(error) => self.errors.insert(key.clone(), error),
             None => self.errors.remove(&key),
         };
+        if applied && cache::get(&self.store, &key).is_none() {
+            return true;
+        }
         self.forced.insert(key.clone());
         self.changed(key)
     }
@@ -229,6 +241,7 @@ mod tests {
                 .send(Notice::Tried {
                     key: a.clone(),
                     error,
+                    applied: false,
                 })
                 .unwrap();
             assert_eq!(status(rx.recv().await), (a.clone(), true, "boom".into()));
@@ -237,6 +250,7 @@ mod tests {
             .send(Notice::Tried {
                 key: a.clone(),
                 error: None,
+                applied: true,
             })
             .unwrap();
         assert_eq!(status(rx.recv().await), (a.clone(), true, String::new()));
@@ -263,6 +277,35 @@ mod tests {
 
     fn key() -> Key {
         Key::new("ns", "a")
+    }
+
+    /// A MyApp applied before the watch shows it is not reported gone (the hub would take
+    /// that as a confirmed deletion): it is reported once the cache holds it. A deletion
+    /// the apiserver confirmed is reported at once, whatever the cache still shows.
+    #[test]
+    fn an_apply_the_cache_does_not_show_yet_is_not_reported_gone() {
+        let (store, mut writer) = kube::runtime::reflector::store::<MyApp>();
+        writer.apply_watcher_event(&kube::runtime::watcher::Event::InitDone);
+        let mut reports = Reports::new(store);
+        assert!(reports.take().is_empty());
+        reports.tried(key(), None, true);
+        assert!(
+            reports.take().is_empty(),
+            "reported before the cache shows it"
+        );
+        writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(managed(
+            r#"{"app.kubernetes.io/managed-by":"flotilla"}"#,
+        )));
+        reports.changed(key());
+        let shown: Vec<_> = reports.take().into_iter().map(|r| r.exists).collect();
+        assert_eq!(shown, [true]);
+        reports.tried(key(), None, false);
+        let confirmed: Vec<_> = reports.take().into_iter().map(|r| r.exists).collect();
+        assert_eq!(
+            confirmed,
+            [true],
+            "a Delete's outcome is sent even if unchanged"
+        );
     }
 
     fn managed(labels: &str) -> MyApp {

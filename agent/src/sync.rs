@@ -63,15 +63,17 @@ where
     loop {
         while let Some((key, request)) = queue.start() {
             running.push(async move {
+                let apply = matches!(request, Request::Apply { .. });
                 let result = applier.carry_out(&key, &request).await;
-                (key, result)
+                (key, apply, result)
             });
         }
         let command = tokio::select! {
             command = commands.next(), if queue.has_room() => command,
-            Some((key, result)) = running.next() => {
+            Some((key, apply, result)) = running.next() => {
+                let applied = apply && result.is_ok();
                 let error = queue.done(&key, result);
-                let _ = notices.send(Notice::Tried { key, error });
+                let _ = notices.send(Notice::Tried { key, error, applied });
                 continue;
             }
             () = queue.retry_due() => continue,
@@ -363,7 +365,7 @@ mod tests {
         let seen = notices_of(vec![sync_complete(&["a", "b", "c"], 0)], |s| s.len() >= 2).await;
         for (_, notice) in &seen {
             assert!(
-                matches!(notice, Notice::Tried { key, error: Some(e) } if key.name == "d" && e.contains("MyApp ns/d")),
+                matches!(notice, Notice::Tried { key, error: Some(e), .. } if key.name == "d" && e.contains("MyApp ns/d")),
                 "{notice:?}"
             );
         }
@@ -400,7 +402,8 @@ mod tests {
             notices[0],
             &Notice::Tried {
                 key: key.clone(),
-                error: None
+                error: None,
+                applied: false,
             },
             "the failed Delete is dropped"
         );
