@@ -20,7 +20,7 @@ use crate::index::Desired;
 use crate::overrides::{self, Located};
 use crate::placement::{self, Decision, Members, SelectorError};
 use crate::render::{RenderError, RenderedMyApp, Template};
-use crate::schedule::{self, Schedule, ScheduleError};
+use crate::schedule::{self, Assignment, Schedule, ScheduleError};
 
 /// What status says of a cluster named in `spec.placement.clusters` that is not
 /// registered.
@@ -49,8 +49,10 @@ pub enum KeepReason {
     /// NotReady past the failover grace period: its share runs elsewhere, its copy is
     /// left as it was. Not an error, and not counted as placed.
     FailedOver,
-    /// The app as a whole cannot be planned ([`AppPlan::placement_error`]): where it
-    /// runs now is unknown, so every registered cluster keeps what it has.
+    /// Where it runs now is unknown, so it keeps what it has: every registered cluster
+    /// when the app as a whole cannot be planned ([`AppPlan::placement_error`]); a
+    /// cluster that takes no new replicas (NotReady within the grace period, cordoned)
+    /// and is given none. Status does not report on it.
     Unplanned,
 }
 
@@ -156,6 +158,23 @@ fn place_and_schedule(
     Ok((decision, schedule))
 }
 
+/// How a placed cluster is planned when it is not rendered (`None`: it is rendered):
+/// with nothing (`Some(None)`: no replicas), or kept as it is. A failed-over cluster
+/// keeps its copy. One that takes no new replicas (NotReady within the grace period,
+/// cordoned) and is given none keeps what it has too: its share is read from the status,
+/// which may lag the plan (status writes go through a budget), and a cluster that cannot
+/// take part is never planned off on a share the status did not show yet.
+fn without_render(assigned: &Assignment) -> Option<Option<ClusterPlan>> {
+    match assigned.reason {
+        SchedulingReason::FailedOver => Some(Some(ClusterPlan::Keep(KeepReason::FailedOver))),
+        _ if assigned.replicas > 0 => None,
+        SchedulingReason::NotReady | SchedulingReason::Cordoned => {
+            Some(Some(ClusterPlan::Keep(KeepReason::Unplanned)))
+        }
+        _ => Some(None),
+    }
+}
+
 /// Renders each placed cluster that runs replicas, once per class of clusters that
 /// render alike ([`Classes`]): most clusters have no override, so most share one render.
 fn placed(
@@ -173,12 +192,13 @@ fn placed(
         let Some(assigned) = schedule.clusters.get_mut(cluster) else {
             continue;
         };
-        if assigned.reason == SchedulingReason::FailedOver {
-            clusters.insert(cluster.clone(), ClusterPlan::Keep(KeepReason::FailedOver));
-            continue;
-        }
-        if assigned.replicas == 0 {
-            continue;
+        match without_render(assigned) {
+            None => {}
+            Some(None) => continue,
+            Some(Some(kept)) => {
+                clusters.insert(cluster.clone(), kept);
+                continue;
+            }
         }
         let ops = ops_by_cluster
             .get(cluster.as_str())
@@ -682,6 +702,23 @@ mod tests {
         assert!(!r.clusters.contains_key("c3"));
     }
 
+    /// A cluster NotReady within the grace period (or cordoned) whose share the status
+    /// does not show yet (written late, through the budget) keeps what it runs: planned
+    /// off, it would be sent a Delete, or have its MyApp collected, when its agent is back.
+    #[test]
+    fn a_frozen_cluster_the_status_shows_no_share_for_keeps_what_it_runs() {
+        let mut a = weighted("");
+        let scheduling = a.spec.placement.replica_scheduling.as_mut().unwrap();
+        scheduling.total_replicas = Some(9);
+        let mut m = members(&["c1", "c2", "c3"]);
+        m.get_mut("c1").unwrap().not_ready_for = Some(std::time::Duration::from_secs(10));
+        m.get_mut("c3").unwrap().unschedulable = true;
+        let r = render(&a, &m).unwrap();
+        assert_eq!(r.clusters["c1"], ClusterPlan::Keep(KeepReason::Unplanned));
+        assert_eq!(r.clusters["c3"], ClusterPlan::Keep(KeepReason::Unplanned));
+        assert_eq!(replicas(&r), [("c2", json!(9))].into());
+    }
+
     #[test]
     fn bad_requests_under_capacity_name_the_field() {
         let a = app(
@@ -951,12 +988,13 @@ mod tests {
                 let Some(assigned) = schedule.clusters.get_mut(cluster) else {
                     continue;
                 };
-                if assigned.reason == SchedulingReason::FailedOver {
-                    clusters.insert(cluster.clone(), ClusterPlan::Keep(KeepReason::FailedOver));
-                    continue;
-                }
-                if assigned.replicas == 0 {
-                    continue;
+                match without_render(assigned) {
+                    None => {}
+                    Some(None) => continue,
+                    Some(Some(kept)) => {
+                        clusters.insert(cluster.clone(), kept);
+                        continue;
+                    }
                 }
                 let ops = overrides::for_cluster(&app.spec.overrides, cluster);
                 let replicas = schedule.divided.then_some(assigned.replicas);
