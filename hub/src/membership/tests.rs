@@ -293,11 +293,38 @@ fn an_agent_in_another_physical_cluster_is_foreign() {
             .unwrap()
             .contains("bound to the cluster whose kube-system namespace has UID uid-1")
     );
-    assert_eq!(
-        foreign_cluster(&mc, ""),
-        None,
-        "an agent that cannot read kube-system is not refused"
-    );
+}
+
+/// Once pinned, an agent must say where it runs: a copied token that sends no UID is
+/// refused, naming the cluster; before any pin, no UID is no reason to refuse.
+#[test]
+fn once_pinned_an_agent_without_a_uid_is_refused() {
+    let mut mc = MemberCluster::new("c1", Default::default());
+    assert_eq!(foreign_cluster(&mc, ""), None, "nothing pinned yet");
+    mc.status = Some(MemberClusterStatus {
+        cluster_uid: Some("uid-1".into()),
+        ..Default::default()
+    });
+    let why = foreign_cluster(&mc, "").expect("no UID once pinned is refused");
+    assert!(why.contains("cluster \"c1\""), "{why}");
+    assert!(why.contains("UID uid-1"), "{why}");
+    assert!(why.contains("sent no cluster UID"), "{why}");
+}
+
+/// A Hello without a UID never unpins: the status keeps the UID first pinned.
+#[test]
+fn a_hello_without_a_uid_keeps_the_pin() {
+    let m = Membership::new(Duration::from_secs(40));
+    m.hello("c1", &hello("0.1.0", "uid-1"));
+    let (_, status) = due(&m, &["c1"], &store(&[("c1", None)]), Instant::now()).remove(0);
+    let members = holding(shown("c1", status));
+    let restarted = Membership::new(Duration::from_secs(40));
+    restarted.hello("c1", &hello("0.2.0", ""));
+    let (_, status) = due(&restarted, &["c1"], &members, Instant::now()).remove(0);
+    assert_eq!(status.cluster_uid.as_deref(), Some("uid-1"));
+    m.hello("c1", &hello("0.2.0", ""));
+    let (_, status) = due(&m, &["c1"], &members, Instant::now()).remove(0);
+    assert_eq!(status.cluster_uid.as_deref(), Some("uid-1"));
 }
 
 #[tokio::test(start_paused = true)]
