@@ -102,6 +102,12 @@ fn binaries() -> Result<(PathBuf, PathBuf)> {
     Ok((hub, agent))
 }
 
+/// A session as an agent holds it: what it sends, and what the hub sends it.
+pub type OpenSession = (
+    tokio::sync::mpsc::Sender<pb::AgentMessage>,
+    tonic::Streaming<pb::HubMessage>,
+);
+
 impl Federation {
     pub fn load(env: &Env) -> Result<Federation> {
         let path = env.dir.join(STATE_FILE);
@@ -184,17 +190,7 @@ impl Federation {
 
     /// Dials the hub and says Hello for `cluster` with `token`, as an agent does, with
     /// no cluster UID (refused for a cluster whose UID is pinned).
-    pub async fn open_session(
-        &self,
-        token: &str,
-        cluster: &str,
-    ) -> Result<
-        (
-            tokio::sync::mpsc::Sender<pb::AgentMessage>,
-            tonic::Streaming<pb::HubMessage>,
-        ),
-        DialError,
-    > {
+    pub async fn open_session(&self, token: &str, cluster: &str) -> Result<OpenSession, DialError> {
         self.open_session_in(token, cluster, "").await
     }
 
@@ -204,13 +200,7 @@ impl Federation {
         token: &str,
         cluster: &str,
         cluster_uid: &str,
-    ) -> Result<
-        (
-            tokio::sync::mpsc::Sender<pb::AgentMessage>,
-            tonic::Streaming<pb::HubMessage>,
-        ),
-        DialError,
-    > {
+    ) -> Result<OpenSession, DialError> {
         let mut hub = client::connect(&Dial {
             hub: self.hub_grpc.clone(),
             ca_pem: std::fs::read(&self.hub_ca).unwrap_or_default(),
