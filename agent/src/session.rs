@@ -199,7 +199,7 @@ async fn dial(config: &SessionConfig) -> Result<HubClient, SessionError> {
         hub: config.hub.clone(),
         ca_pem: config.ca_pem.clone(),
         server_name: config.server_name.clone(),
-        token: token.trim().to_owned(),
+        token: token.trim().into(),
         keepalive: Duration::from_secs(10),
         keepalive_timeout: Duration::from_secs(10),
     })

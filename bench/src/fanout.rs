@@ -44,6 +44,7 @@ use flotilla_proto::v1::federation_server::{Federation, FederationServer};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
 use kube::runtime::{reflector, watcher};
 use prost::Message as _;
+use secrecy::ExposeSecret;
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
@@ -418,7 +419,7 @@ impl Child {
             .args(["serve", role.as_str()])
             .args(size.args())
             .env(CERT_VAR, &tls.cert_pem)
-            .env(KEY_VAR, &tls.key_pem)
+            .env(KEY_VAR, tls.key_pem.expose_secret())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -487,7 +488,7 @@ async fn dial(addr: SocketAddr, ca: &str, cluster: &str) -> Result<client::HubCl
         hub: format!("https://{addr}"),
         ca_pem: ca.as_bytes().to_vec(),
         server_name: Some("localhost".into()),
-        token: token(cluster),
+        token: token(cluster).into(),
         keepalive: Duration::from_secs(30),
         keepalive_timeout: Duration::from_secs(30),
     };

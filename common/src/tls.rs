@@ -2,15 +2,19 @@
 //! an external issuer: the hub's gRPC endpoint (`flotilla-hub certs`) and the agent's
 //! conversion webhook.
 
+use secrecy::SecretString;
+
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
 };
 
-/// PEM of a CA, of a certificate it signed, and of that certificate's key.
+/// PEM of a CA, of a certificate it signed, and of that certificate's key (which
+/// `Debug` prints redacted).
+#[derive(Debug)]
 pub struct SelfSigned {
     pub ca_pem: String,
     pub cert_pem: String,
-    pub key_pem: String,
+    pub key_pem: SecretString,
 }
 
 /// A fresh CA named `ca_name` and a certificate named `name`, valid for `hosts` (DNS
@@ -35,7 +39,7 @@ pub fn self_signed(
     Ok(SelfSigned {
         ca_pem: ca.pem(),
         cert_pem: cert.pem(),
-        key_pem: key.serialize_pem(),
+        key_pem: key.serialize_pem().into(),
     })
 }
 
@@ -45,6 +49,7 @@ mod tests {
     use rcgen::PublicKeyData;
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
+    use secrecy::ExposeSecret;
     use webpki::{EndEntityCert, KeyUsage, anchor_from_trusted_cert};
 
     fn der(pem: &str) -> CertificateDer<'static> {
@@ -121,12 +126,27 @@ mod tests {
     fn the_key_is_the_certificate_s() {
         // The private key's public half is the one the certificate carries.
         let s = self_signed("test CA", "test", &hosts()).unwrap();
-        let key = KeyPair::from_pem(&s.key_pem).unwrap();
+        let key = KeyPair::from_pem(s.key_pem.expose_secret()).unwrap();
         let cert = der(&s.cert_pem);
         let spki = key.subject_public_key_info();
         assert!(
             cert.windows(spki.len()).any(|w| w == spki.as_slice()),
             "the certificate does not hold the key's public key"
+        );
+    }
+
+    #[test]
+    fn debug_output_never_shows_the_key() {
+        let s = self_signed("test CA", "test", &hosts()).unwrap();
+        let shown = format!("{s:?}");
+        let body = s.key_pem.expose_secret().lines().nth(1).unwrap();
+        assert!(
+            !shown.contains("PRIVATE KEY") && !shown.contains(body),
+            "{shown}"
+        );
+        assert!(
+            shown.contains(&s.cert_pem.escape_debug().to_string()),
+            "{shown}"
         );
     }
 }

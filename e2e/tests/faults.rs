@@ -1043,7 +1043,10 @@ impl HeldUpdates {
         let stop = tokio_util::sync::CancellationToken::new();
         let server = tonic::transport::Server::builder()
             .tls_config(tonic::transport::ServerTlsConfig::new().identity(
-                tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem),
+                tonic::transport::Identity::from_pem(
+                    &tls.cert_pem,
+                    secrecy::ExposeSecret::expose_secret(&tls.key_pem),
+                ),
             ))?
             .accept_http1(true)
             .add_routes(tonic::service::Routes::from(router))

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use flotilla_crds::{FederatedMyApp, MyApp};
 use flotilla_lab::federation::{Federation, HUB, agent_name};
 use flotilla_lab::support::sample;
@@ -134,8 +134,25 @@ async fn restarts_resend_nothing_and_credentials_bind_one_cluster() -> Result<()
         .await?
         .expect_err("claiming another cluster");
     assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
-    let second = f
+    // cluster2 is pinned to its kube-system UID: a Hello that leaves the UID out is
+    // refused, naming the cluster.
+    let no_uid = f
         .session(token2.trim(), "cluster2")
+        .await?
+        .expect_err("a Hello without the pinned UID");
+    assert_eq!(no_uid.code(), tonic::Code::PermissionDenied, "{no_uid:?}");
+    assert!(
+        no_uid.message().contains("\"cluster2\"") && no_uid.message().contains("no cluster UID"),
+        "{no_uid:?}"
+    );
+    let uid2 = Api::<flotilla_crds::MemberCluster>::all(host.clone())
+        .get("cluster2")
+        .await?
+        .status
+        .and_then(|s| s.cluster_uid)
+        .context("cluster2's UID is pinned")?;
+    let second = f
+        .session_in(token2.trim(), "cluster2", &uid2)
         .await?
         .expect_err("a second live session of cluster2");
     assert_eq!(second.code(), tonic::Code::AlreadyExists, "{second:?}");

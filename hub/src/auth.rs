@@ -8,6 +8,7 @@ use std::sync::Arc;
 use base64::Engine;
 use flotilla_crds::MemberCluster;
 use kube::runtime::reflector::{ObjectRef, Store};
+use secrecy::SecretString;
 use sha2::{Digest, Sha256};
 
 /// Who a session is: the cluster, and the hash of the token it proved that with (to
@@ -28,14 +29,16 @@ pub enum AuthError {
     Refused(String),
 }
 
-/// A fresh token for `cluster`: 256 random bits after the cluster's name.
-pub fn issue(cluster: &str) -> String {
+/// A fresh token for `cluster`: 256 random bits after the cluster's name (`Debug`
+/// prints it redacted).
+pub fn issue(cluster: &str) -> SecretString {
     let mut secret = [0u8; 32];
     rand::fill(&mut secret);
     format!(
         "{cluster}.{}",
         base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(secret)
     )
+    .into()
 }
 
 /// What the MemberCluster stores: the hex SHA-256 of the whole token.
@@ -91,6 +94,7 @@ mod tests {
     use super::*;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use kube::runtime::{reflector, watcher};
+    use secrecy::ExposeSecret;
 
     fn store(members: &[(&str, Option<&str>, bool)]) -> Store<MemberCluster> {
         let (store, mut writer) = reflector::store::<MemberCluster>();
@@ -107,6 +111,19 @@ mod tests {
         store
     }
 
+    #[test]
+    fn an_issued_token_never_shows_in_debug_output() {
+        let token = issue("paris");
+        let shown = format!("{token:?}");
+        assert!(!shown.contains(token.expose_secret()), "{shown}");
+        assert!(!shown.contains("paris."), "{shown}");
+    }
+
+    /// A token as the agent holds it: its file's text.
+    fn issued(cluster: &str) -> String {
+        issue(cluster).expose_secret().to_owned()
+    }
+
     fn bearer(token: &str) -> String {
         format!("Bearer {token}")
     }
@@ -114,6 +131,7 @@ mod tests {
     #[test]
     fn issued_tokens_name_their_cluster_and_differ() {
         let (a, b) = (issue("paris"), issue("paris"));
+        let (a, b) = (a.expose_secret(), b.expose_secret());
         assert_ne!(a, b);
         let (cluster, secret) = a.split_once('.').unwrap();
         assert_eq!(cluster, "paris");
@@ -124,19 +142,19 @@ mod tests {
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
         );
-        let s = store(&[("paris", Some(&a), false)]);
+        let s = store(&[("paris", Some(a), false)]);
         assert_eq!(
-            authenticate(&s, Some(&bearer(&a))),
+            authenticate(&s, Some(&bearer(a))),
             Ok(Identity {
                 cluster: "paris".into(),
-                token_hash: token_sha256(&a)
+                token_hash: token_sha256(a)
             })
         );
     }
 
     #[test]
     fn cluster_names_with_dots_authenticate() {
-        let t = issue("eu.paris.prod");
+        let t = issued("eu.paris.prod");
         let s = store(&[("eu.paris.prod", Some(&t), false)]);
         assert_eq!(
             authenticate(&s, Some(&bearer(&t))).unwrap().cluster,
@@ -161,8 +179,8 @@ mod tests {
 
     #[test]
     fn wrong_revoked_deleted_or_unknown_credentials_are_refused() {
-        let good = issue("paris");
-        let other = issue("berlin");
+        let good = issued("paris");
+        let other = issued("berlin");
         let refused = |c: &str| Err(AuthError::Refused(c.into()));
         // Another cluster's token cannot be relabelled: the hash covers the name.
         let forged = format!("paris.{}", other.split_once('.').unwrap().1);
@@ -172,7 +190,7 @@ mod tests {
         ]);
         assert_eq!(authenticate(&s, Some(&bearer(&forged))), refused("paris"));
         assert_eq!(
-            authenticate(&s, Some(&bearer(&issue("ghost")))),
+            authenticate(&s, Some(&bearer(&issued("ghost")))),
             refused("ghost")
         );
         let s = store(&[("paris", None, false)]);
@@ -183,7 +201,7 @@ mod tests {
 
     #[test]
     fn rotation_revokes_the_old_token_only() {
-        let (old, new) = (issue("paris"), issue("paris"));
+        let (old, new) = (issued("paris"), issued("paris"));
         let s = store(&[("paris", Some(&new), false)]);
         let id = |t: &str| Identity {
             cluster: "paris".into(),

@@ -11,6 +11,7 @@ use flotilla_crds::member::{MemberClusterSpec, MemberClusterStatus};
 use flotilla_crds::{FederatedMyApp, MemberCluster};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
+use secrecy::ExposeSecret;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -376,7 +377,7 @@ pub async fn join(kube: &KubeArgs, args: &JoinArgs) -> anyhow::Result<()> {
 
     let api: Api<flotilla_crds::MemberCluster> = Api::all(client);
     let labels: BTreeMap<_, _> = args.labels.iter().cloned().collect();
-    let hash = crate::auth::token_sha256(&token);
+    let hash = crate::auth::token_sha256(token.expose_secret());
     let existing = api
         .get_opt(&args.name)
         .await
@@ -427,7 +428,7 @@ pub async fn join(kube: &KubeArgs, args: &JoinArgs) -> anyhow::Result<()> {
     };
     match (&install, &args.output, &args.token_file) {
         (None, _, Some(path)) => {
-            write_private(path, &token)?;
+            write_private(path, token.expose_secret())?;
             eprintln!(
                 "MemberCluster {} {verb}; its agent token is in {}",
                 args.name,
@@ -620,7 +621,7 @@ pub fn certs(args: &CertsArgs) -> anyhow::Result<()> {
         .with_context(|| format!("creating {}", args.out.display()))?;
     std::fs::write(args.out.join("ca.crt"), &tls.ca_pem)?;
     std::fs::write(args.out.join("tls.crt"), &tls.cert_pem)?;
-    write_private(&args.out.join("tls.key"), &tls.key_pem)?;
+    write_private(&args.out.join("tls.key"), tls.key_pem.expose_secret())?;
     eprintln!(
         "wrote ca.crt, tls.crt and tls.key to {}",
         args.out.display()

@@ -5,6 +5,7 @@
 //! Secret. Pure: no cluster is contacted.
 
 use base64::Engine;
+use secrecy::{ExposeSecret, SecretString};
 use serde_json::{Value, json};
 
 /// `deploy/base`, embedded so that the printed install and the kustomize base are one.
@@ -42,7 +43,7 @@ const AGENT: &str = "flotilla-agent";
 const MOUNT: &str = "/hub";
 
 /// What one member's install needs.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct MemberInstall {
     /// The MemberCluster's name.
     pub cluster: String,
@@ -52,8 +53,8 @@ pub struct MemberInstall {
     pub hub_server_name: Option<String>,
     /// PEM of the CA that signed the hub's serving certificate.
     pub hub_ca_pem: String,
-    /// The token `join` issued (`<cluster>.<secret>`).
-    pub token: String,
+    /// The token `join` issued (`<cluster>.<secret>`); `Debug` prints it redacted.
+    pub token: SecretString,
     /// The agent's image; `deploy/base`'s when absent.
     pub image: Option<String>,
 }
@@ -131,7 +132,7 @@ fn secret(install: &MemberInstall) -> Value {
             "labels": {"app.kubernetes.io/name": AGENT, "app.kubernetes.io/part-of": "flotilla"},
         },
         "type": "Opaque",
-        "data": {"token": b64(&install.token), "ca.crt": b64(&install.hub_ca_pem)},
+        "data": {"token": b64(install.token.expose_secret()), "ca.crt": b64(&install.hub_ca_pem)},
     })
 }
 
@@ -196,15 +197,12 @@ fn validate(install: &MemberInstall) -> Result<(), InstallError> {
         reason: reason.into(),
     };
     // As the hub reads it: the secret is after the last dot, cluster names may have dots.
-    match install.token.rsplit_once('.') {
+    let token = install.token.expose_secret();
+    match token.rsplit_once('.') {
         Some((cluster, secret)) if cluster == install.cluster && !secret.is_empty() => {}
         _ => return Err(token_error("expected <cluster>.<secret> for this cluster")),
     }
-    if install
-        .token
-        .chars()
-        .any(|c| c.is_whitespace() || c.is_control())
-    {
+    if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Err(token_error("contains whitespace"));
     }
     if let Some(image) = &install.image
@@ -281,6 +279,16 @@ mod tests {
             token: "paris.c2VjcmV0".into(),
             image: None,
         }
+    }
+
+    #[test]
+    fn debug_output_never_shows_the_token() {
+        let shown = format!("{:?}", install());
+        assert!(!shown.contains("c2VjcmV0"), "{shown}");
+        assert!(
+            shown.contains("hub.example.com:7443"),
+            "the rest still shows: {shown}"
+        );
     }
 
     /// What `kubectl apply -f` reads: every document of the printed stream.
@@ -544,14 +552,14 @@ mod tests {
             let i = MemberInstall {
                 cluster: cluster.clone(),
                 hub_address: format!("{host}:{port}"),
-                token: format!("{cluster}.{secret}"),
+                token: format!("{cluster}.{secret}").into(),
                 ..install()
             };
             let docs = parse(&render(&i).unwrap());
             prop_assert_eq!(docs.len(), 11);
             let objects = by_kind_and_name(&docs);
             let secret_doc = objects["Secret/flotilla-hub-credentials"];
-            prop_assert_eq!(b64d(&secret_doc["data"]["token"]), i.token.clone());
+            prop_assert_eq!(b64d(&secret_doc["data"]["token"]), i.token.expose_secret());
             let args = objects["Deployment/flotilla-agent"]["spec"]["template"]["spec"]
                 ["containers"][0]["args"].clone();
             let expected_cluster = json!(format!("--cluster={cluster}"));
@@ -564,7 +572,7 @@ mod tests {
         /// Kubernetes accepts.
         #[test]
         fn validation_never_panics(cluster in "\\PC{0,300}", address in "\\PC{0,40}") {
-            let i = MemberInstall { cluster: cluster.clone(), hub_address: address, token: format!("{cluster}.x"), ..install() };
+            let i = MemberInstall { cluster: cluster.clone(), hub_address: address, token: format!("{cluster}.x").into(), ..install() };
             if render(&i).is_ok() {
                 prop_assert!(is_dns_subdomain(&cluster));
             }

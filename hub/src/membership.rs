@@ -81,15 +81,23 @@ pub struct MemberChanges {
 }
 
 /// Why an agent in the physical cluster `uid` may not speak for `member`: the
-/// credential was first used from another cluster (its pinned `kube-system` UID).
+/// credential was first used from another cluster (its pinned `kube-system` UID). Once
+/// pinned, an agent that sends no UID is refused too: otherwise a copied token would
+/// pass by leaving it out. The pin guards against a token copied by mistake; the UID is
+/// what the agent says, so it is no proof of where the agent runs.
 pub fn foreign_cluster(member: &MemberCluster, uid: &str) -> Option<String> {
     let pinned = member.status.as_ref()?.cluster_uid.as_deref()?;
-    (!uid.is_empty() && pinned != uid).then(|| {
-        format!(
-            "the credential of cluster {:?} is bound to the cluster whose kube-system namespace has UID {pinned}; this agent runs in {uid}",
-            member.name_any()
-        )
-    })
+    let bound = format!(
+        "the credential of cluster {:?} is bound to the cluster whose kube-system namespace has UID {pinned}",
+        member.name_any()
+    );
+    if uid.is_empty() {
+        Some(format!(
+            "{bound}; this agent sent no cluster UID (can it get namespace kube-system?)"
+        ))
+    } else {
+        (pinned != uid).then(|| format!("{bound}; this agent runs in {uid}"))
+    }
 }
 
 /// The clusters whose MemberCluster shows `Ready=True` now.

@@ -102,6 +102,12 @@ fn binaries() -> Result<(PathBuf, PathBuf)> {
     Ok((hub, agent))
 }
 
+/// A session as an agent holds it: what it sends, and what the hub sends it.
+pub type OpenSession = (
+    tokio::sync::mpsc::Sender<pb::AgentMessage>,
+    tonic::Streaming<pb::HubMessage>,
+);
+
 impl Federation {
     pub fn load(env: &Env) -> Result<Federation> {
         let path = env.dir.join(STATE_FILE);
@@ -182,18 +188,19 @@ impl Federation {
         wait_http_ready(name, &self.launch(name)?.http).await
     }
 
-    /// Dials the hub and says Hello for `cluster` with `token`, as an agent does.
-    pub async fn open_session(
+    /// Dials the hub and says Hello for `cluster` with `token`, as an agent does, with
+    /// no cluster UID (refused for a cluster whose UID is pinned).
+    pub async fn open_session(&self, token: &str, cluster: &str) -> Result<OpenSession, DialError> {
+        self.open_session_in(token, cluster, "").await
+    }
+
+    /// As [`Self::open_session`], saying the agent runs in the cluster `cluster_uid`.
+    pub async fn open_session_in(
         &self,
         token: &str,
         cluster: &str,
-    ) -> Result<
-        (
-            tokio::sync::mpsc::Sender<pb::AgentMessage>,
-            tonic::Streaming<pb::HubMessage>,
-        ),
-        DialError,
-    > {
+        cluster_uid: &str,
+    ) -> Result<OpenSession, DialError> {
         let mut hub = client::connect(&Dial {
             hub: self.hub_grpc.clone(),
             ca_pem: std::fs::read(&self.hub_ca).unwrap_or_default(),
@@ -206,6 +213,7 @@ impl Federation {
         let hello = pb::Hello {
             cluster: cluster.into(),
             agent_version: "e2e".into(),
+            cluster_uid: cluster_uid.into(),
             ..Default::default()
         };
         client::open_session(&mut hub, hello, 4).await
@@ -218,7 +226,17 @@ impl Federation {
         token: &str,
         cluster: &str,
     ) -> Result<Result<Vec<pb::HubMessage>, tonic::Status>> {
-        let (_tx, mut inbound) = match self.open_session(token, cluster).await {
+        self.session_in(token, cluster, "").await
+    }
+
+    /// As [`Self::session`], saying the agent runs in the cluster `cluster_uid`.
+    pub async fn session_in(
+        &self,
+        token: &str,
+        cluster: &str,
+        cluster_uid: &str,
+    ) -> Result<Result<Vec<pb::HubMessage>, tonic::Status>> {
+        let (_tx, mut inbound) = match self.open_session_in(token, cluster, cluster_uid).await {
             Ok(session) => session,
             Err(DialError::Refused(status)) => return Ok(Err(status)),
             Err(e) => return Err(e.into()),

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use secrecy::{ExposeSecret, SecretString};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::{Ascii, MetadataValue};
@@ -23,8 +24,8 @@ pub struct Dial {
     pub ca_pem: Vec<u8>,
     /// The name to verify the hub's certificate against, if not the URL's host.
     pub server_name: Option<String>,
-    /// `<cluster>.<secret>`, as `flotilla-hub join` issued it.
-    pub token: String,
+    /// `<cluster>.<secret>`, as `flotilla-hub join` issued it; `Debug` prints it redacted.
+    pub token: SecretString,
     /// A ping is sent after this long without traffic; the connection is dropped when
     /// it is not answered within `keepalive_timeout`.
     pub keepalive: Duration,
@@ -62,6 +63,16 @@ impl Interceptor for Bearer {
     }
 }
 
+/// The `authorization` value for `token`, marked sensitive: tonic's and hyper's `Debug`
+/// of the request's headers leave it out.
+fn bearer(token: &SecretString) -> Result<MetadataValue<Ascii>, DialError> {
+    let mut value: MetadataValue<Ascii> = format!("Bearer {}", token.expose_secret())
+        .parse()
+        .map_err(|_| DialError::Token)?;
+    value.set_sensitive(true);
+    Ok(value)
+}
+
 pub type HubClient = FederationClient<InterceptedService<Channel, Bearer>>;
 
 /// Connects to the hub over TLS; refuses anything but `https://`.
@@ -83,9 +94,7 @@ pub async fn connect(dial: &Dial) -> Result<HubClient, DialError> {
     if let Some(name) = &dial.server_name {
         tls = tls.domain_name(name.clone());
     }
-    let bearer = format!("Bearer {}", dial.token)
-        .parse()
-        .map_err(|_| DialError::Token)?;
+    let bearer = bearer(&dial.token)?;
     let channel = Endpoint::from_shared(dial.hub.clone())
         .map_err(|e| address(e.to_string()))?
         .tls_config(tls)
@@ -160,5 +169,24 @@ mod tests {
         let mut d = dial("https://127.0.0.1:1");
         d.token = "c1.se\ncret".into();
         assert!(matches!(connect(&d).await, Err(DialError::Token)));
+    }
+
+    #[test]
+    fn debug_output_never_shows_the_token() {
+        let mut d = dial("https://127.0.0.1:1");
+        d.token = "c1.s3cr3t-t0ken".into();
+        let shown = format!("{d:?}");
+        assert!(!shown.contains("s3cr3t-t0ken"), "{shown}");
+        assert!(
+            shown.contains("https://127.0.0.1:1"),
+            "the rest still shows: {shown}"
+        );
+    }
+
+    #[test]
+    fn the_authorization_header_is_marked_sensitive() {
+        let value = bearer(&"c1.s3cr3t-t0ken".into()).unwrap();
+        assert!(value.is_sensitive());
+        assert!(!format!("{value:?}").contains("s3cr3t-t0ken"));
     }
 }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use rustls::ServerConfig;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use secrecy::{ExposeSecret, SecretString};
 
 #[derive(thiserror::Error, Debug)]
 pub enum TlsError {
@@ -27,10 +28,11 @@ pub enum TlsError {
     Rustls(#[from] rustls::Error),
 }
 
-/// A serving certificate chain and key, in PEM.
+/// A serving certificate chain and key, in PEM (`Debug` prints the key redacted).
+#[derive(Debug)]
 pub struct Identity {
     pub cert_pem: String,
-    pub key_pem: String,
+    pub key_pem: SecretString,
     /// The CA that signed `cert_pem`, when the agent made it: what clients must trust.
     pub ca_pem: Option<String>,
 }
@@ -60,7 +62,7 @@ impl Identity {
         };
         Ok(Self {
             cert_pem: read(cert)?,
-            key_pem: read(key)?,
+            key_pem: read(key)?.into(),
             ca_pem: None,
         })
     }
@@ -72,7 +74,7 @@ impl Identity {
         if chain.is_empty() {
             return Err(TlsError::NoCertificate);
         }
-        let key = PrivateKeyDer::from_pem_slice(self.key_pem.as_bytes())?;
+        let key = PrivateKeyDer::from_pem_slice(self.key_pem.expose_secret().as_bytes())?;
         let mut config =
             ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
                 .with_safe_default_protocol_versions()?
@@ -97,6 +99,18 @@ mod tests {
             "the serving certificate is not its own CA"
         );
         identity.server_config().unwrap();
+    }
+
+    #[test]
+    fn debug_output_never_shows_the_key() {
+        let identity = Identity::self_signed(&["localhost".into()]).unwrap();
+        let body = identity.key_pem.expose_secret().lines().nth(1).unwrap();
+        let shown = format!("{identity:?}");
+        assert!(
+            !shown.contains("PRIVATE KEY") && !shown.contains(body),
+            "{shown}"
+        );
+        assert!(shown.contains("cert_pem"), "{shown}");
     }
 
     #[test]

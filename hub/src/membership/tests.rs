@@ -94,14 +94,20 @@ fn a_hello_makes_a_cluster_ready_and_due() {
     assert!(status.last_heartbeat_time.is_some());
 }
 
+/// A hub that heard c1's agent 0.1.0 in the cluster `uid`, and the host showing what it
+/// wrote.
+fn pinned(uid: &str) -> (Membership, Store<MemberCluster>) {
+    let m = Membership::new(Duration::from_secs(40));
+    m.hello("c1", &hello("0.1.0", uid));
+    let (_, status) = due(&m, &["c1"], &store(&[("c1", None)]), Instant::now()).remove(0);
+    (m, holding(shown("c1", status)))
+}
+
 /// A hub failover: every agent says Hello to the new leader. What the MemberCluster
 /// shows does not change, so nothing is written; a new agent version is.
 #[test]
 fn a_hello_that_changes_nothing_writes_nothing() {
-    let m = Membership::new(Duration::from_secs(40));
-    m.hello("c1", &hello("0.1.0", "uid-1"));
-    let (_, status) = due(&m, &["c1"], &store(&[("c1", None)]), Instant::now()).remove(0);
-    let members = holding(shown("c1", status));
+    let (_, members) = pinned("uid-1");
     let restarted = Membership::new(Duration::from_secs(40));
     restarted.hello("c1", &hello("0.1.0", "uid-1"));
     assert!(due(&restarted, &["c1"], &members, Instant::now()).is_empty());
@@ -279,25 +285,43 @@ fn a_held_back_collection_shows_how_to_confirm_it() {
     assert_eq!(blocked.unwrap().status, "False");
 }
 
+/// An agent in another physical cluster is refused; so, once the UID is pinned, is one
+/// that sends none (a copied token would otherwise pass by leaving it out). Before any
+/// pin, neither is a reason to refuse.
 #[test]
-fn an_agent_in_another_physical_cluster_is_foreign() {
+fn once_pinned_another_uid_or_none_is_refused() {
     let mut mc = MemberCluster::new("c1", Default::default());
     assert_eq!(foreign_cluster(&mc, "uid-2"), None, "nothing pinned yet");
+    assert_eq!(foreign_cluster(&mc, ""), None, "nothing pinned yet");
     mc.status = Some(MemberClusterStatus {
         cluster_uid: Some("uid-1".into()),
         ..Default::default()
     });
     assert_eq!(foreign_cluster(&mc, "uid-1"), None);
+    let bound = "the credential of cluster \"c1\" is bound to the cluster whose kube-system namespace has UID uid-1";
+    let other = foreign_cluster(&mc, "uid-2").expect("another cluster is refused");
     assert!(
-        foreign_cluster(&mc, "uid-2")
-            .unwrap()
-            .contains("bound to the cluster whose kube-system namespace has UID uid-1")
+        other.starts_with(bound) && other.ends_with("runs in uid-2"),
+        "{other}"
     );
-    assert_eq!(
-        foreign_cluster(&mc, ""),
-        None,
-        "an agent that cannot read kube-system is not refused"
+    let none = foreign_cluster(&mc, "").expect("no UID once pinned is refused");
+    assert!(
+        none.starts_with(bound) && none.contains("sent no cluster UID"),
+        "{none}"
     );
+}
+
+/// A Hello without a UID never unpins: the status keeps the UID first pinned.
+#[test]
+fn a_hello_without_a_uid_keeps_the_pin() {
+    let (m, members) = pinned("uid-1");
+    let restarted = Membership::new(Duration::from_secs(40));
+    restarted.hello("c1", &hello("0.2.0", ""));
+    let (_, status) = due(&restarted, &["c1"], &members, Instant::now()).remove(0);
+    assert_eq!(status.cluster_uid.as_deref(), Some("uid-1"));
+    m.hello("c1", &hello("0.2.0", ""));
+    let (_, status) = due(&m, &["c1"], &members, Instant::now()).remove(0);
+    assert_eq!(status.cluster_uid.as_deref(), Some("uid-1"));
 }
 
 #[tokio::test(start_paused = true)]
