@@ -169,6 +169,15 @@ impl Federation for FederationService {
                 warn!(%cluster, "{busy}");
                 Status::already_exists(busy.to_string())
             })?;
+        // Leading was checked before the waits above. A hub that stopped meanwhile has
+        // closed its sessions (or will, after the change seen here), and must not keep
+        // one opened since: its agent would never look for the leader.
+        if !*self.leading.borrow() {
+            self.dispatcher.disconnect(&queue);
+            return Err(Status::unavailable(
+                "this hub stopped leading; the leading hub serves agents",
+            ));
+        }
         info!(%cluster, agent = %hello.agent_version, kubernetes = %hello.kubernetes_version, managed = managed.len(), "agent connected");
         self.membership.hello(&cluster, &hello);
         self.dispatcher.metrics.collection_blocked(&cluster, 0);
