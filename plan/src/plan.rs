@@ -158,20 +158,29 @@ fn place_and_schedule(
     Ok((decision, schedule))
 }
 
-/// How a placed cluster is planned when it is not rendered (`None`: it is rendered):
-/// with nothing (`Some(None)`: no replicas), or kept as it is. A failed-over cluster
-/// keeps its copy. One that takes no new replicas (NotReady within the grace period,
-/// cordoned) and is given none keeps what it has too: its share is read from the status,
-/// which may lag the plan (status writes go through a budget), and a cluster that cannot
-/// take part is never planned off on a share the status did not show yet.
-fn without_render(assigned: &Assignment) -> Option<Option<ClusterPlan>> {
+/// What a placed cluster gets before anything is rendered.
+enum Placing {
+    /// Its MyApp, rendered with its replicas.
+    Render,
+    /// Nothing: no replicas.
+    Skip,
+    /// What it runs, left as it is.
+    Keep(KeepReason),
+}
+
+/// A failed-over cluster keeps its copy. One that takes no new replicas (NotReady within
+/// the grace period, cordoned) and is given none keeps what it has too: its share is
+/// read from the status, which may lag the plan (status writes go through a budget), and
+/// a cluster that cannot take part is never planned off on a share the status did not
+/// show yet.
+fn placing(assigned: &Assignment) -> Placing {
     match assigned.reason {
-        SchedulingReason::FailedOver => Some(Some(ClusterPlan::Keep(KeepReason::FailedOver))),
-        _ if assigned.replicas > 0 => None,
+        SchedulingReason::FailedOver => Placing::Keep(KeepReason::FailedOver),
+        _ if assigned.replicas > 0 => Placing::Render,
         SchedulingReason::NotReady | SchedulingReason::Cordoned => {
-            Some(Some(ClusterPlan::Keep(KeepReason::Unplanned)))
+            Placing::Keep(KeepReason::Unplanned)
         }
-        _ => Some(None),
+        _ => Placing::Skip,
     }
 }
 
@@ -192,11 +201,11 @@ fn placed(
         let Some(assigned) = schedule.clusters.get_mut(cluster) else {
             continue;
         };
-        match without_render(assigned) {
-            None => {}
-            Some(None) => continue,
-            Some(Some(kept)) => {
-                clusters.insert(cluster.clone(), kept);
+        match placing(assigned) {
+            Placing::Render => {}
+            Placing::Skip => continue,
+            Placing::Keep(reason) => {
+                clusters.insert(cluster.clone(), ClusterPlan::Keep(reason));
                 continue;
             }
         }
@@ -988,11 +997,11 @@ mod tests {
                 let Some(assigned) = schedule.clusters.get_mut(cluster) else {
                     continue;
                 };
-                match without_render(assigned) {
-                    None => {}
-                    Some(None) => continue,
-                    Some(Some(kept)) => {
-                        clusters.insert(cluster.clone(), kept);
+                match placing(assigned) {
+                    Placing::Render => {}
+                    Placing::Skip => continue,
+                    Placing::Keep(reason) => {
+                        clusters.insert(cluster.clone(), ClusterPlan::Keep(reason));
                         continue;
                     }
                 }
