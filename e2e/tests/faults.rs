@@ -611,6 +611,65 @@ async fn hub_sigkilled_while_an_orphaning_delete_is_in_flight() -> Result<()> {
     .await
 }
 
+/// An app taken off a cluster while that cluster's agent is away, and the hub restarted
+/// before the agent returns: the new hub never knew the app was there, so no explicit
+/// Delete is owed; the agent's next session lists it, the hub's desired set leaves it out,
+/// and the collection after SyncComplete removes it (one of the session's apps, within the
+/// breaker's share). It is not left behind, and nothing else goes.
+#[tokio::test]
+async fn an_app_taken_off_an_absent_cluster_across_a_hub_restart_is_collected() -> Result<()> {
+    run("fault-shrink-restart", |ctx| async move {
+        let r = async {
+            let agent = agent_name("cluster2");
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            ctx.f.stop(&ctx.env, &agent)?;
+            let name = ctx.name(0);
+            let only_cluster1 = json!({
+                "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {"placement": {"clusters": [{"name": "cluster1"}]},
+                         "template": {"spec": {"replicas": 1, "image": "nginx:1.27"}}},
+            });
+            ctx.fedapps()
+                .patch(
+                    &name,
+                    &PatchParams::apply("e2e-faults").force(),
+                    &Patch::Apply(&only_cluster1),
+                )
+                .await?;
+            // The hub sees the new generation (and queues the Delete for cluster2) ...
+            wait_for(CONVERGE, "the hub observing the new placement", || async {
+                let app = ctx.fedapps().get(&name).await?;
+                let observed = app.status.as_ref().and_then(|s| s.observed_generation);
+                Ok((observed.is_some() && observed == app.metadata.generation).then_some(()))
+            })
+            .await?;
+            // ... and forgets it: a new hub has nothing queued for cluster2.
+            faults::sigkill(&ctx.env, &ctx.f, HUB)?;
+            faults::start(&ctx.env, &ctx.f, HUB).await?;
+            faults::start(&ctx.env, &ctx.f, &agent).await?;
+            let c2: Api<flotilla_crds::MyApp> =
+                Api::namespaced(ctx.env.client("cluster2").await?, "default");
+            wait_for(CONVERGE, "the app collected from cluster2", || async {
+                Ok(c2.get_opt(&name).await?.is_none().then_some(()))
+            })
+            .await?;
+            converge::wait_converged(&ctx.env, CONVERGE).await?;
+            let expected = BTreeSet::from([("cluster2".to_string(), format!("default/{name}"))]);
+            println!(
+                "fault hub-restart-after-shrink: collected in {:.1}s, unwanted deletions {}",
+                start.elapsed().as_secs_f64(),
+                log.unwanted(&expected).len()
+            );
+            log.assert_clean(&expected)
+        }
+        .await;
+        (ctx, r)
+    })
+    .await
+}
+
 /// `join --rotate` for a running member: the agent holding the old token is cut off,
 /// reads the new one from its token file and reconnects on its own; labels, placement
 /// and workloads stay as they were.
