@@ -12,11 +12,14 @@
 //! - [`footprint`]: the agent's memory and idle CPU with many MyApps on a real member,
 //!   and the hub's memory per 1,000 pairs, against the same processes with no app,
 //! - [`join`]: agent start → MemberCluster Ready, against a new client's first write,
+//! - [`hostwrites`]: the real hub's writes to a real host apiserver with K simulated
+//!   clusters: converging, idle, session flaps, a hub restart; the largest status,
 //! - [`stats`]: percentiles, the bootstrap interval and the verdict (pure, tested),
 //! - [`procstat`]: peak RSS and CPU time of one process, from `/proc`.
 
 mod fanout;
 mod footprint;
+mod hostwrites;
 mod join;
 mod latency;
 mod procstat;
@@ -196,6 +199,9 @@ enum Scenario {
         #[arg(long, default_value_t = 5)]
         samples: usize,
     },
+    /// The hub's writes to a real host apiserver with K simulated clusters (converge, idle,
+    /// flaps, hub restart); brings the environment up and down if none is running
+    Hostwrites(hostwrites::Size),
     /// A server for the fan-out scenarios, run by them in a child process
     #[command(hide = true)]
     Serve {
@@ -258,6 +264,12 @@ async fn run(scenario: Scenario, json: bool, dir: &Path) -> Result<()> {
                 "join",
                 |env| async move { join::join(&env, samples).await },
             )
+            .await?
+        }
+        Scenario::Hostwrites(size) => {
+            on_environment(dir, "hostwrites", |env| async move {
+                hostwrites::hostwrites(&env, size).await
+            })
             .await?
         }
         Scenario::Serve { role, size } => return fanout::serve(role, size).await,

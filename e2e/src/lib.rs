@@ -9,7 +9,6 @@
 //!   (a link that can be cut),
 //! - [`testcmd`]: `flotilla-e2e test`, the unit tests and this suite in one command.
 
-pub mod apiserver;
 pub mod converge;
 pub mod deletions;
 pub mod faults;

@@ -17,10 +17,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use flotilla_crds::FederatedMyApp;
-use flotilla_e2e::apiserver::{LeaseRef, Leases, Requests};
 use flotilla_e2e::converge;
 use flotilla_e2e::deletions::DeletionLog;
 use flotilla_e2e::faults;
+use flotilla_lab::apiserver::{LeaseRef, Leases, Requests};
 use flotilla_lab::federation::{self, Federation, HUB, HUB_NAMESPACE, agent_name};
 use flotilla_lab::support::sample;
 use flotilla_lab::{Env, process, wait_for};

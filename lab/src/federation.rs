@@ -201,6 +201,23 @@ impl Federation {
         cluster: &str,
         cluster_uid: &str,
     ) -> Result<OpenSession, DialError> {
+        let hello = pb::Hello {
+            cluster: cluster.into(),
+            agent_version: "e2e".into(),
+            cluster_uid: cluster_uid.into(),
+            ..Default::default()
+        };
+        self.open_session_with(token, hello, 4).await
+    }
+
+    /// Opens a session with the agent's own dial, saying `hello`; `buffer` messages may
+    /// wait to be sent.
+    pub async fn open_session_with(
+        &self,
+        token: &str,
+        hello: pb::Hello,
+        buffer: usize,
+    ) -> Result<OpenSession, DialError> {
         let mut hub = client::connect(&Dial {
             hub: self.hub_grpc.clone(),
             ca_pem: std::fs::read(&self.hub_ca).unwrap_or_default(),
@@ -210,13 +227,7 @@ impl Federation {
             keepalive_timeout: Duration::from_secs(10),
         })
         .await?;
-        let hello = pb::Hello {
-            cluster: cluster.into(),
-            agent_version: "e2e".into(),
-            cluster_uid: cluster_uid.into(),
-            ..Default::default()
-        };
-        client::open_session(&mut hub, hello, 4).await
+        client::open_session(&mut hub, hello, buffer).await
     }
 
     /// Opens a session as an agent would (the agent's own dial) and reads until

@@ -16,10 +16,12 @@
 //! - [`hubcli`]: the hub's admin commands (`certs`, `join`, `revoke`),
 //! - [`federation`]: the hub and agents, launched and recorded so they can be restarted,
 //! - [`support`]: workspace root, built binaries, free ports, HTTP GET, metrics samples,
-//! - [`wait`]: the poll helper.
+//! - [`wait`]: the poll helper,
+//! - [`apiserver`]: what an apiserver itself counts (requests, bytes) and who holds a Lease.
 //!
 //! Then what the commands print: [`status`] (`flotilla-e2e status`) and [`demo`].
 
+pub mod apiserver;
 pub mod cluster;
 pub mod demo;
 pub mod env;
