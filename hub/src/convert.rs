@@ -11,6 +11,10 @@ use flotilla_proto::v1 as pb;
 
 use crate::edge::Refusal;
 
+/// A MemberCluster's name (a DNS subdomain).
+pub const NAME_MAX: usize = 253;
+/// Hello's versions and cluster UID (a UID is 36 bytes).
+pub const HELLO_STRING_MAX: usize = 128;
 /// A content hash: hex SHA-256.
 pub const HASH_MAX: usize = 64;
 /// A condition's reason (a CamelCase word in Kubernetes).
@@ -68,6 +72,20 @@ impl Bounds {
             refused: self.0,
         }
     }
+}
+
+/// A Hello as the hub reads it (it logs and shows these strings): versions cut to
+/// [`HELLO_STRING_MAX`]. The cluster name and UID identify the member, so past
+/// [`NAME_MAX`] and [`HELLO_STRING_MAX`] the Hello is refused rather than cut (a cut could
+/// make them look like real ones).
+pub fn hello_from_pb(mut h: pb::Hello) -> Result<Bounded<pb::Hello>, Refusal> {
+    if h.cluster.len() > NAME_MAX || h.cluster_uid.len() > HELLO_STRING_MAX {
+        return Err(Refusal::LongString);
+    }
+    let mut bounds = Bounds::default();
+    h.agent_version = bounds.string(h.agent_version, HELLO_STRING_MAX);
+    h.kubernetes_version = bounds.string(h.kubernetes_version, HELLO_STRING_MAX);
+    Ok(bounds.done(h))
 }
 
 /// An agent's capacity report as `MemberCluster.status.capacity` shows it, every figure
@@ -346,5 +364,40 @@ mod tests {
                 assert!(fleet >= 0);
             }
         }
+    }
+
+    #[test]
+    fn hello_versions_are_cut_and_identities_past_their_length_refused() {
+        let hello = |cluster: String, uid: String, version: String| pb::Hello {
+            cluster,
+            cluster_uid: uid,
+            agent_version: version.clone(),
+            kubernetes_version: version,
+            ..Default::default()
+        };
+        let uid = "0b6c1f9e-2d3a-4c5b-8e7f-9a0b1c2d3e4f".to_owned();
+        let ok = hello_from_pb(hello("c1".into(), uid.clone(), "v1.34.4".into())).unwrap();
+        assert_eq!(ok.refused, None);
+        assert_eq!(ok.value.kubernetes_version, "v1.34.4");
+
+        let long = hello_from_pb(hello("c1".into(), uid.clone(), "é".repeat(1 << 20))).unwrap();
+        assert_eq!(long.refused, Some(Refusal::LongString));
+        assert_eq!(long.value.agent_version.len(), HELLO_STRING_MAX);
+        assert_eq!(long.value.kubernetes_version.len(), HELLO_STRING_MAX);
+
+        let name = "a".repeat(NAME_MAX);
+        assert!(hello_from_pb(hello(name.clone(), uid.clone(), String::new())).is_ok());
+        assert_eq!(
+            hello_from_pb(hello(format!("{name}a"), uid, String::new())),
+            Err(Refusal::LongString)
+        );
+        assert_eq!(
+            hello_from_pb(hello(
+                "c1".into(),
+                "u".repeat(HELLO_STRING_MAX + 1),
+                String::new()
+            )),
+            Err(Refusal::LongString)
+        );
     }
 }

@@ -25,7 +25,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
 use crate::auth::{self, AuthError};
-use crate::convert::{capacity_from_pb, report_from_pb};
+use crate::convert::{capacity_from_pb, hello_from_pb, report_from_pb};
 use crate::dispatch::{ClusterQueue, Dispatcher};
 use crate::edge::{self, Admissions, Admitted, EdgeLimits, Refusal, RefusalMetrics};
 use crate::membership::{self, Membership};
@@ -112,6 +112,16 @@ fn message_too_large() -> Status {
     ))
 }
 
+impl FederationService {
+    /// Authenticated before the Hello and plan waits, the credential was revoked during
+    /// them.
+    fn revoked_while_admitted(&self, cluster: &str) -> Status {
+        self.refusals.count(Refusal::RevokedWhileAdmitted);
+        warn!(%cluster, "credential revoked while its session was being admitted");
+        Status::unauthenticated(format!("credential for cluster {cluster:?} was revoked"))
+    }
+}
+
 #[tonic::async_trait]
 impl Federation for FederationService {
     type SessionStream = ReceiverStream<Result<pb::HubMessage, Status>>;
@@ -140,7 +150,7 @@ impl Federation for FederationService {
             )));
         };
         let mut inbound = request.into_inner();
-        let mut hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
+        let hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
             Ok(Ok(Some(pb::AgentMessage {
                 kind: Some(agent_message::Kind::Hello(h)),
             }))) => h,
@@ -154,6 +164,22 @@ impl Federation for FederationService {
             Ok(_) => {
                 return Err(Status::invalid_argument(
                     "the first message of a session must be Hello",
+                ));
+            }
+        };
+        let mut hello = match hello_from_pb(hello) {
+            Ok(hello) => {
+                if let Some(refusal) = hello.refused {
+                    self.refusals.count(refusal);
+                    warn!(%cluster, "the agent's versions are too long; cut");
+                }
+                hello.value
+            }
+            Err(refusal) => {
+                self.refusals.count(refusal);
+                warn!(%cluster, "a Hello whose cluster name or UID is too long, refused");
+                return Err(Status::invalid_argument(
+                    "Hello: the cluster name or UID is longer than any real one",
                 ));
             }
         };
@@ -182,6 +208,9 @@ impl Federation for FederationService {
             .into_iter()
             .filter_map(|m| Some((AppKey::from_wire(m.key)?, m.hash)))
             .collect();
+        if auth::revoked(&self.members, &identity) {
+            return Err(self.revoked_while_admitted(&cluster));
+        }
         let queue = self
             .dispatcher
             .connect(&identity, &managed)
@@ -198,16 +227,11 @@ impl Federation for FederationService {
                 "this hub stopped leading; the leading hub serves agents",
             ));
         }
-        // Authenticated before the waits above: a credential revoked meanwhile is refused
-        // here. Checked after `connect`, so that a revocation after this check finds the
-        // session registered and closes it.
+        // Checked again after `connect`: a revocation after this check finds the session
+        // registered, and the revocation sweep closes it.
         if auth::revoked(&self.members, &identity) {
             self.dispatcher.disconnect(&queue);
-            self.refusals.count(Refusal::RevokedWhileAdmitted);
-            warn!(%cluster, "credential revoked while its session was being admitted");
-            return Err(Status::unauthenticated(format!(
-                "credential for cluster {cluster:?} was revoked"
-            )));
+            return Err(self.revoked_while_admitted(&cluster));
         }
         info!(%cluster, agent = %hello.agent_version, kubernetes = %hello.kubernetes_version, managed = managed.len(), "agent connected");
         self.membership.hello(&cluster, &hello);

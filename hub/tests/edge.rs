@@ -360,3 +360,37 @@ async fn a_credential_revoked_while_its_session_waits_is_refused() {
     assert!(hub.dispatcher.sessions().is_empty());
     assert_eq!(hub.refusals.get(Refusal::RevokedWhileAdmitted), 1);
 }
+
+#[tokio::test]
+async fn cut_and_refused_input_is_counted() {
+    let hub = Hub::start(EdgeLimits::default(), true).await;
+    let mut c1 = hub.connect("c1").await;
+    let (tx, _inbound) = session(&mut c1, "c1").await;
+    tx.send(pb::AgentMessage {
+        kind: Some(agent_message::Kind::Status(pb::StatusReport {
+            key: Some(pb::ObjectKey {
+                namespace: "default".into(),
+                name: "web".into(),
+            }),
+            apply_error: "é".repeat(4096),
+            ..Default::default()
+        })),
+    })
+    .await
+    .unwrap();
+    tokio::time::timeout(PATIENCE, async {
+        while hub.refusals.get(Refusal::LongString) == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the cut report is counted");
+
+    // A Hello naming a cluster UID longer than any real one: refused, not cut.
+    let mut c2 = hub.connect("c2").await;
+    let mut odd = hello("c2");
+    odd.cluster_uid = "u".repeat(4096);
+    let result = client::open_session(&mut c2, odd, 4).await;
+    assert_eq!(refused(result), Code::InvalidArgument);
+    assert_eq!(hub.refusals.get(Refusal::LongString), 2);
+}
