@@ -1,7 +1,7 @@
 //! Edge: what a peer can hold on the hub's gRPC port. Before it proves who it is: a TLS
 //! handshake deadline, a bound on connections and on HTTP/2 streams per connection.
-//! After: one session per cluster, admitted before its Hello is read, and agent
-//! messages far smaller than the hub's own. Every refusal or clamp is counted by reason.
+//! After: one session per cluster being admitted, checked before its Hello is read, and
+//! agent messages far smaller than the hub's own. Every refusal or clamp is counted by reason.
 
 use std::collections::HashSet;
 use std::io;
@@ -149,9 +149,11 @@ impl AsyncWrite for Counted {
     }
 }
 
-/// The clusters with a session being admitted or live: a second stream of the same
-/// cluster is refused before its Hello (up to [`MAX_AGENT_MESSAGE`]) is read, so one
-/// credential decodes at most one Hello at a time.
+/// The clusters with a session being admitted (from its first byte until the dispatcher
+/// registers it): a second stream of the same cluster meanwhile is refused before its
+/// Hello (up to [`MAX_AGENT_MESSAGE`]) is read, so one credential decodes at most one
+/// Hello at a time. A live session refuses the next one after its Hello
+/// (`Dispatcher::connect`), once the identity checks have named what is wrong with it.
 #[derive(Default)]
 pub struct Admissions {
     clusters: Mutex<HashSet<String>>,
@@ -170,7 +172,7 @@ impl Admissions {
     }
 }
 
-/// Held for the life of a session; dropping it lets the cluster in again.
+/// Held while a session is admitted; dropping it lets the cluster's next one in.
 pub struct Admitted {
     admissions: Arc<Admissions>,
     cluster: String,
@@ -192,7 +194,7 @@ pub enum Refusal {
     NumberOutOfRange,
     /// A message over [`MAX_AGENT_MESSAGE`]: the session ends.
     MessageTooLarge,
-    /// A second session of a cluster that has one.
+    /// A second session of a cluster that has one, live or being admitted.
     SecondSession,
     /// A credential revoked while its session waited for Hello or the plan.
     RevokedWhileAdmitted,

@@ -27,7 +27,7 @@ use tracing::{info, warn};
 use crate::auth::{self, AuthError};
 use crate::convert::{capacity_from_pb, hello_from_pb, report_from_pb};
 use crate::dispatch::{ClusterQueue, Dispatcher};
-use crate::edge::{self, Admissions, Admitted, EdgeLimits, Refusal, RefusalMetrics};
+use crate::edge::{self, Admissions, EdgeLimits, Refusal, RefusalMetrics};
 use crate::membership::{self, Membership};
 use crate::status::StatusBoard;
 
@@ -49,7 +49,7 @@ pub struct FederationService {
     pub leading: tokio::sync::watch::Receiver<bool>,
     /// Events on MemberClusters (a held-back collection).
     pub recorder: Recorder,
-    /// One session per cluster, admitted before its Hello is read.
+    /// One session per cluster being admitted, checked before its Hello is read.
     pub admissions: Arc<Admissions>,
     pub refusals: RefusalMetrics,
 }
@@ -142,11 +142,13 @@ impl Federation for FederationService {
         let identity = auth::authenticate(&self.members, authorization).map_err(refused)?;
         let cluster = identity.cluster.clone();
         // Before anything is read: one credential decodes at most one Hello at a time.
-        let Some(admitted) = self.admissions.admit(&cluster) else {
+        // Held until `connect` has registered the session (or it is refused); a live
+        // session refuses the next one at `connect`, after the identity checks.
+        let Some(_admitted) = self.admissions.admit(&cluster) else {
             self.refusals.count(Refusal::SecondSession);
-            warn!(%cluster, "a second session of a cluster that has one, refused before its Hello");
+            warn!(%cluster, "a second session of a cluster being admitted, refused before its Hello");
             return Err(Status::already_exists(format!(
-                "cluster {cluster:?} already has an agent session, or one being admitted; a second agent with the same identity is refused"
+                "cluster {cluster:?} has an agent session being admitted; a second agent with the same identity is refused"
             )));
         };
         let mut inbound = request.into_inner();
@@ -215,6 +217,7 @@ impl Federation for FederationService {
             .dispatcher
             .connect(&identity, &managed)
             .map_err(|busy| {
+                self.refusals.count(Refusal::SecondSession);
                 warn!(%cluster, "{busy}");
                 Status::already_exists(busy.to_string())
             })?;
@@ -250,7 +253,6 @@ impl Federation for FederationService {
                 queue,
                 stream: inbound,
                 ended: tx,
-                _admitted: admitted,
             },
             self.dispatcher.clone(),
             self.status.clone(),
@@ -354,8 +356,6 @@ struct Inbound {
     refused: Refused,
     /// Tells the agent why the hub ended its session.
     ended: mpsc::Sender<Result<pb::HubMessage, Status>>,
-    /// Released when the loop ends, after the session is disconnected.
-    _admitted: Admitted,
 }
 
 /// Carries the agent's reports and heartbeats until its stream ends or the session is
@@ -372,7 +372,6 @@ async fn receive_loop(
         stream: mut inbound,
         mut refused,
         ended,
-        _admitted,
     } = session;
     let cluster = queue.cluster().to_owned();
     loop {

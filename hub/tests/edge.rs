@@ -260,8 +260,8 @@ async fn streams_beyond_the_bound_wait_on_their_connection() {
     .await;
     let mut client = hub.connect("c1").await;
     let _held = session(&mut client, "c1").await;
-    // Past the bound the stream never reaches the hub (which would refuse it at once
-    // as a second session of c1): the client holds it until a stream ends.
+    // Past the bound the stream never reaches the hub (which would refuse it within
+    // milliseconds, c1 having a session): the client holds it until a stream ends.
     let mut again = client.clone();
     let second =
         tokio::time::timeout(A_WHILE, client::open_session(&mut again, hello("c1"), 4)).await;
@@ -270,10 +270,16 @@ async fn streams_beyond_the_bound_wait_on_their_connection() {
 }
 
 #[tokio::test]
-async fn a_second_session_of_a_cluster_is_refused_before_its_hello() {
-    let hub = Hub::start(EdgeLimits::default(), true).await;
+async fn a_second_session_of_a_cluster_being_admitted_is_refused_before_its_hello() {
+    // Not planned: the first session is admitted and waits for the plan.
+    let hub = Hub::start(EdgeLimits::default(), false).await;
     let mut client = hub.connect("c1").await;
-    let _held = session(&mut client, "c1").await;
+    let first = tokio::spawn(async move {
+        client::open_session(&mut client, hello("c1"), 4)
+            .await
+            .map(drop)
+    });
+    tokio::time::sleep(A_WHILE).await;
     // A second agent that has not sent Hello yet: refused without waiting for it.
     let mut other = hub.connect("c1").await;
     let (_tx, rx) = mpsc::channel::<pb::AgentMessage>(1);
@@ -282,6 +288,33 @@ async fn a_second_session_of_a_cluster_is_refused_before_its_hello() {
         .expect("refused before any Hello is read")
         .expect_err("a second session is refused");
     assert_eq!(status.code(), Code::AlreadyExists, "{status:?}");
+    assert_eq!(hub.refusals.get(Refusal::SecondSession), 1);
+    // The first was the one admitted.
+    hub.dispatcher.planned_for(
+        CLUSTERS
+            .iter()
+            .map(|c| c.to_string())
+            .collect::<BTreeSet<_>>(),
+    );
+    tokio::time::timeout(PATIENCE, first)
+        .await
+        .expect("the hub answers")
+        .unwrap()
+        .expect("the first session is admitted");
+}
+
+/// Once the first is live, the next is refused after its Hello: the identity checks
+/// (cluster name, pinned UID) still name what is wrong with it.
+#[tokio::test]
+async fn a_second_session_of_a_live_cluster_is_refused_after_its_hello() {
+    let hub = Hub::start(EdgeLimits::default(), true).await;
+    let mut client = hub.connect("c1").await;
+    let _held = session(&mut client, "c1").await;
+    let mut other = hub.connect("c1").await;
+    let result = client::open_session(&mut other, hello("c2"), 4).await;
+    assert_eq!(refused(result), Code::PermissionDenied);
+    let result = client::open_session(&mut other, hello("c1"), 4).await;
+    assert_eq!(refused(result), Code::AlreadyExists);
     assert_eq!(hub.refusals.get(Refusal::SecondSession), 1);
 }
 
