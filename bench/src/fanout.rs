@@ -214,6 +214,7 @@ pub async fn serve(role: Role, size: Size) -> Result<()> {
             tokio::spawn(flotilla_hub::server::serve(
                 addr,
                 identity,
+                Default::default(),
                 service,
                 shutdown.clone(),
             ))
@@ -308,6 +309,8 @@ fn hub_service(
             kube::Client::try_from(kube::Config::new("http://127.0.0.1:1".parse()?))?,
             "flotilla-hub-bench".into(),
         ),
+        admissions: Default::default(),
+        refusals: Default::default(),
     };
     Ok((service, apps))
 }

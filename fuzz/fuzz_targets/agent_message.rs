@@ -22,7 +22,7 @@ fuzz_target!(|data: &[u8]| {
         Some(agent_message::Kind::Status(report)) => {
             let _ = AppKey::from_wire(report.key.clone());
             let report = report_from_pb(report);
-            let _ = report.held();
+            let _ = report.value.held();
         }
         Some(agent_message::Kind::Capacity(c)) => {
             let _ = capacity_from_pb(&c);

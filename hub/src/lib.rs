@@ -2,8 +2,9 @@
 //! places, schedules, renders and keeps the index). Modules follow the data flow:
 //! `controller` (FederatedMyApp reconcile into the index through `flotilla_plan::plan`,
 //! the finalizer, Events, planning passes), `dispatch` (per-agent queues over the index),
-//! `auth` (tokens), `server` (the gRPC service agents dial), `convert` (what the hub
-//! reads out of agents' messages), `status` (the board of plans and reports, and the
+//! `auth` (tokens), `edge` (the bounds on the gRPC port, before and after authentication),
+//! `server` (the gRPC service agents dial), `convert` (what the hub reads out of agents'
+//! messages, bounded), `status` (the board of plans and reports, and the
 //! writer of FederatedMyApp status), `membership` (MemberCluster watch, heartbeats and
 //! capacity → MemberCluster status), `writes` (what both status writers share: merge
 //! patches, the budget, backoff), `detail` (every cluster's status on demand: the HTTP
@@ -19,6 +20,7 @@ pub mod controller;
 pub mod convert;
 pub mod detail;
 pub mod dispatch;
+pub mod edge;
 pub(crate) mod install;
 pub mod membership;
 pub mod planner;

@@ -24,6 +24,7 @@ use tonic::transport::Identity;
 use crate::controller::{self, Context, Notices};
 use crate::detail;
 use crate::dispatch::Dispatcher;
+use crate::edge::{EdgeLimits, RefusalMetrics};
 use crate::membership::{self, Membership};
 use crate::planner::{self, Planner};
 use crate::server::{self, FederationService};
@@ -63,6 +64,8 @@ pub struct RunArgs {
     /// Names this instance in Events (the pod name in a cluster).
     #[arg(long, env = "POD_NAME")]
     pub instance: Option<String>,
+    #[command(flatten)]
+    pub edge: EdgeLimits,
     #[command(flatten)]
     pub leader: leader::LeaderArgs,
 }
@@ -127,6 +130,8 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     let planned_gate = readiness.gate("initial-plan");
     let writes = WriteMetrics::default();
     writes.register(metrics.registry_mut());
+    let refusals = RefusalMetrics::default();
+    refusals.register(metrics.registry_mut());
     let metrics = Arc::new(metrics);
     let status = Arc::new(StatusBoard::default());
     let membership = Arc::new(
@@ -223,10 +228,12 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         members: members.clone(),
         leading: leading.clone(),
         recorder: ctx.recorder.clone(),
+        admissions: Default::default(),
+        refusals,
     };
     tasks.spawn(
         "grpc",
-        server::serve(args.grpc_addr, tls, service, shutdown.clone()),
+        server::serve(args.grpc_addr, tls, args.edge, service, shutdown.clone()),
     );
     let writer = StatusWriter {
         client: client.clone(),

@@ -2,7 +2,7 @@
 //! cluster, admits it once the index is planned for that cluster, feeds its queue to the
 //! agent and its reports to the index and the status board.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,22 +11,23 @@ use anyhow::Context as _;
 use flotilla_crds::MemberCluster;
 use flotilla_plan::index::AppKey;
 use flotilla_proto::WireKey;
-use flotilla_proto::client::MAX_MESSAGE;
-use flotilla_proto::v1::federation_server::{Federation, FederationServer};
+use flotilla_proto::client::MAX_AGENT_MESSAGE;
+use flotilla_proto::v1::federation_server::Federation;
 use flotilla_proto::v1::{self as pb, agent_message};
 use kube::Resource;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::{ObjectRef, Store};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Identity, Server, ServerTlsConfig};
+use tonic::transport::Identity;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
 use crate::auth::{self, AuthError};
-use crate::convert::{capacity_from_pb, report_from_pb};
+use crate::convert::{capacity_from_pb, hello_from_pb, report_from_pb};
 use crate::dispatch::{ClusterQueue, Dispatcher};
+use crate::edge::{self, Admissions, EdgeLimits, Refusal, RefusalMetrics};
 use crate::membership::{self, Membership};
 use crate::status::StatusBoard;
 
@@ -38,9 +39,6 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a session waits for the index to be planned for its cluster (a MemberCluster
 /// just created): past it, the agent is told to retry.
 const PLANNED_TIMEOUT: Duration = Duration::from_secs(10);
-/// A ping after this long without traffic; a connection that does not answer within
-/// the same time is dropped, so a vanished agent frees its cluster's session.
-const KEEPALIVE: Duration = Duration::from_secs(10);
 
 pub struct FederationService {
     pub dispatcher: Arc<Dispatcher>,
@@ -51,6 +49,9 @@ pub struct FederationService {
     pub leading: tokio::sync::watch::Receiver<bool>,
     /// Events on MemberClusters (a held-back collection).
     pub recorder: Recorder,
+    /// One session per cluster being admitted, checked before its Hello is read.
+    pub admissions: Arc<Admissions>,
+    pub refusals: RefusalMetrics,
 }
 
 /// Binds `addr` and serves agents until `shutdown`; then ends every session at once so
@@ -58,6 +59,7 @@ pub struct FederationService {
 pub async fn serve(
     addr: SocketAddr,
     tls: Identity,
+    limits: EdgeLimits,
     service: FederationService,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
@@ -86,23 +88,38 @@ pub async fn serve(
         }
         dispatcher.close_all();
     };
-    Server::builder()
-        .tls_config(ServerTlsConfig::new().identity(tls))
+    edge::server(&limits, tls)
         .context("configuring TLS")?
-        .http2_keepalive_interval(Some(KEEPALIVE))
-        .http2_keepalive_timeout(Some(KEEPALIVE))
-        .add_service(
-            FederationServer::new(service)
-                .max_decoding_message_size(MAX_MESSAGE)
-                .max_encoding_message_size(MAX_MESSAGE),
-        )
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop)
+        .add_service(edge::federation(service))
+        .serve_with_incoming_shutdown(edge::incoming(listener, limits.max_agent_connections), stop)
         .await
         .with_context(|| format!("serving gRPC on {addr}"))
 }
 
 fn refused(e: AuthError) -> Status {
     Status::unauthenticated(e.to_string())
+}
+
+/// tonic ends a stream with OUT_OF_RANGE, before buffering it, when a message's length
+/// prefix is over the decoding limit.
+fn too_large(e: &Status) -> bool {
+    e.code() == tonic::Code::OutOfRange
+}
+
+fn message_too_large() -> Status {
+    Status::resource_exhausted(format!(
+        "a message over the hub's limit of {MAX_AGENT_MESSAGE} bytes ends the session"
+    ))
+}
+
+impl FederationService {
+    /// Authenticated before the Hello and plan waits, the credential was revoked during
+    /// them.
+    fn revoked_while_admitted(&self, cluster: &str) -> Status {
+        self.refusals.count(Refusal::RevokedWhileAdmitted);
+        warn!(%cluster, "credential revoked while its session was being admitted");
+        Status::unauthenticated(format!("credential for cluster {cluster:?} was revoked"))
+    }
 }
 
 #[tonic::async_trait]
@@ -124,16 +141,47 @@ impl Federation for FederationService {
         }
         let identity = auth::authenticate(&self.members, authorization).map_err(refused)?;
         let cluster = identity.cluster.clone();
+        // Before anything is read: one credential decodes at most one Hello at a time.
+        // Held until `connect` has registered the session (or it is refused); a live
+        // session refuses the next one at `connect`, after the identity checks.
+        let Some(_admitted) = self.admissions.admit(&cluster) else {
+            self.refusals.count(Refusal::SecondSession);
+            warn!(%cluster, "a second session of a cluster being admitted, refused before its Hello");
+            return Err(Status::already_exists(format!(
+                "cluster {cluster:?} has an agent session being admitted; a second agent with the same identity is refused"
+            )));
+        };
         let mut inbound = request.into_inner();
-        let mut hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
+        let hello = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
             Ok(Ok(Some(pb::AgentMessage {
                 kind: Some(agent_message::Kind::Hello(h)),
             }))) => h,
+            Ok(Err(e)) if too_large(&e) => {
+                self.refusals.count(Refusal::MessageTooLarge);
+                warn!(%cluster, "a Hello over the message limit, refused");
+                return Err(message_too_large());
+            }
             Ok(Err(e)) => return Err(e),
             Err(_) => return Err(Status::deadline_exceeded("no Hello within 10s")),
             Ok(_) => {
                 return Err(Status::invalid_argument(
                     "the first message of a session must be Hello",
+                ));
+            }
+        };
+        let mut hello = match hello_from_pb(hello) {
+            Ok(hello) => {
+                if let Some(refusal) = hello.refused {
+                    self.refusals.count(refusal);
+                    warn!(%cluster, "the agent's versions are too long; cut");
+                }
+                hello.value
+            }
+            Err(refusal) => {
+                self.refusals.count(refusal);
+                warn!(%cluster, "a Hello whose cluster name or UID is too long, refused");
+                return Err(Status::invalid_argument(
+                    "Hello: the cluster name or UID is longer than any real one",
                 ));
             }
         };
@@ -162,10 +210,14 @@ impl Federation for FederationService {
             .into_iter()
             .filter_map(|m| Some((AppKey::from_wire(m.key)?, m.hash)))
             .collect();
+        if auth::revoked(&self.members, &identity) {
+            return Err(self.revoked_while_admitted(&cluster));
+        }
         let queue = self
             .dispatcher
             .connect(&identity, &managed)
             .map_err(|busy| {
+                self.refusals.count(Refusal::SecondSession);
                 warn!(%cluster, "{busy}");
                 Status::already_exists(busy.to_string())
             })?;
@@ -178,6 +230,12 @@ impl Federation for FederationService {
                 "this hub stopped leading; the leading hub serves agents",
             ));
         }
+        // Checked again after `connect`: a revocation after this check finds the session
+        // registered, and the revocation sweep closes it.
+        if auth::revoked(&self.members, &identity) {
+            self.dispatcher.disconnect(&queue);
+            return Err(self.revoked_while_admitted(&cluster));
+        }
         info!(%cluster, agent = %hello.agent_version, kubernetes = %hello.kubernetes_version, managed = managed.len(), "agent connected");
         self.membership.hello(&cluster, &hello);
         self.dispatcher.metrics.collection_blocked(&cluster, 0);
@@ -187,11 +245,15 @@ impl Federation for FederationService {
             queue.clone(),
             self.dispatcher.clone(),
             self.members.clone(),
-            tx,
+            tx.clone(),
         ));
         tokio::spawn(receive_loop(
-            queue,
-            inbound,
+            Inbound {
+                refused: Refused::new(&cluster, self.refusals.clone()),
+                queue,
+                stream: inbound,
+                ended: tx,
+            },
             self.dispatcher.clone(),
             self.status.clone(),
             self.membership.clone(),
@@ -261,16 +323,56 @@ async fn send_loop(
     }
 }
 
+/// Counts what the hub refused or cut from one cluster's agent, and logs each reason once
+/// per session: an agent cannot flood the log.
+struct Refused {
+    cluster: String,
+    metrics: RefusalMetrics,
+    logged: HashSet<Refusal>,
+}
+
+impl Refused {
+    fn new(cluster: &str, metrics: RefusalMetrics) -> Self {
+        Self {
+            cluster: cluster.to_owned(),
+            metrics,
+            logged: HashSet::new(),
+        }
+    }
+
+    fn note(&mut self, refusal: Option<Refusal>) {
+        let Some(refusal) = refusal else { return };
+        self.metrics.count(refusal);
+        if self.logged.insert(refusal) {
+            warn!(cluster = %self.cluster, reason = refusal.label(), "agent input refused or clamped (logged once per session and reason)");
+        }
+    }
+}
+
+/// What one session's receive loop owns.
+struct Inbound {
+    queue: Arc<ClusterQueue>,
+    stream: Streaming<pb::AgentMessage>,
+    refused: Refused,
+    /// Tells the agent why the hub ended its session.
+    ended: mpsc::Sender<Result<pb::HubMessage, Status>>,
+}
+
 /// Carries the agent's reports and heartbeats until its stream ends or the session is
 /// closed.
 async fn receive_loop(
-    queue: Arc<ClusterQueue>,
-    mut inbound: Streaming<pb::AgentMessage>,
+    session: Inbound,
     dispatcher: Arc<Dispatcher>,
     status: Arc<StatusBoard>,
     membership: Arc<Membership>,
     (recorder, members): (Recorder, Store<MemberCluster>),
 ) {
+    let Inbound {
+        queue,
+        stream: mut inbound,
+        mut refused,
+        ended,
+    } = session;
     let cluster = queue.cluster().to_owned();
     loop {
         let message = tokio::select! {
@@ -285,6 +387,8 @@ async fn receive_loop(
                     continue;
                 };
                 let report = report_from_pb(report);
+                refused.note(report.refused);
+                let report = report.value;
                 if dispatcher.report(&queue, &key, report.held()) {
                     status.report(&cluster, &key, report);
                 } else {
@@ -306,9 +410,19 @@ async fn receive_loop(
             }
             Ok(Some(pb::AgentMessage {
                 kind: Some(agent_message::Kind::Capacity(c)),
-            })) => membership.capacity(&cluster, capacity_from_pb(&c)),
+            })) => {
+                let capacity = capacity_from_pb(&c);
+                refused.note(capacity.refused);
+                membership.capacity(&cluster, capacity.value);
+            }
             Ok(Some(_)) => warn!(%cluster, "unexpected message ignored"),
             Ok(None) => break,
+            Err(e) if too_large(&e) => {
+                refused.note(Some(Refusal::MessageTooLarge));
+                // Never waits: an agent that does not read must not hold this loop.
+                let _ = ended.try_send(Err(message_too_large()));
+                break;
+            }
             Err(e) => {
                 info!(%cluster, error = %e, "agent stream ended");
                 break;

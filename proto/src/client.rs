@@ -111,9 +111,17 @@ pub async fn connect(dial: &Dial) -> Result<HubClient, DialError> {
         .max_decoding_message_size(MAX_MESSAGE))
 }
 
-/// The largest message either side accepts: a rendered MyApp is far smaller, and a
-/// SyncComplete listing 100,000 keys fits.
+/// The largest hub → agent message: a rendered MyApp is far smaller, and a SyncComplete
+/// listing 100,000 keys fits.
 pub const MAX_MESSAGE: usize = 16 << 20;
+
+/// The largest agent → hub message the hub reads. Reports, heartbeats and capacity are
+/// a few hundred bytes; Hello lists every MyApp the agent manages, one `Managed` each of
+/// at most 63 (namespace) + 253 (name) + 64 (hex SHA-256) bytes of text + 13 of protobuf
+/// framing (three tags and length prefixes each) = 393 bytes. 4 MiB = 4,194,304 bytes
+/// holds 10,672 of them with the longest legal names, ten times the 1,000 MyApps an agent
+/// is sized for (about 31,000 with a namespace and a name of 30 characters each).
+pub const MAX_AGENT_MESSAGE: usize = 4 << 20;
 
 /// Opens a session: `hello` goes first; the sender carries what follows it.
 pub async fn open_session(

@@ -341,5 +341,9 @@ pub fn annotate(status: &mut FederatedMyAppStatus, schedule: &Schedule) {
         }
     }
     status.replicas = Some(schedule.total() as i32);
-    status.ready_replicas = status.clusters.iter().map(|c| c.ready_replicas).sum();
+    // Saturating: the counts are agents' reports, summed over up to 10,000 clusters.
+    status.ready_replicas = status
+        .clusters
+        .iter()
+        .fold(0i32, |sum, c| sum.saturating_add(c.ready_replicas));
 }

@@ -50,6 +50,21 @@ fn annotate_fills_each_cluster_and_the_totals() {
     assert_eq!(status.clusters[1].scheduling_reason, Some(Weight));
 }
 
+/// Agents report the ready counts: a sum past `i32::MAX` saturates (a debug build would
+/// panic, a release build wrap to a negative count).
+#[test]
+fn annotate_saturates_the_ready_total() {
+    let s = Case::new(WEIGHTED_2_1_1).ok();
+    let mut status: FederatedMyAppStatus = serde_yaml::from_str(&format!(
+        "clusters:\n- {{name: c1, readyReplicas: {}}}\n- {{name: c2, readyReplicas: 1}}\n- {{name: c3, readyReplicas: {}}}\n",
+        i32::MAX,
+        i32::MAX
+    ))
+    .unwrap();
+    annotate(&mut status, &s);
+    assert_eq!(status.ready_replicas, i32::MAX);
+}
+
 /// A status that lists only some clusters carries the whole division: it is what the
 /// next plan reads (an old hub's full list is read as before).
 #[test]

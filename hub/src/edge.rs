@@ -1,0 +1,251 @@
+//! Edge: what a peer can hold on the hub's gRPC port. Before it proves who it is: a TLS
+//! handshake deadline, a bound on connections and on HTTP/2 streams per connection.
+//! After: one session per cluster being admitted, checked before its Hello is read, and
+//! agent messages far smaller than the hub's own. Every refusal or clamp is counted by reason.
+
+use std::collections::HashSet;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use flotilla_proto::client::{MAX_AGENT_MESSAGE, MAX_MESSAGE};
+use flotilla_proto::v1::federation_server::{Federation, FederationServer};
+use futures::Stream;
+use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tonic::transport::server::{Connected, TcpConnectInfo};
+use tonic::transport::{Identity, Server, ServerTlsConfig};
+
+/// A ping after this long without traffic; a connection that does not answer within
+/// the same time is dropped, so a vanished agent frees its cluster's session.
+const KEEPALIVE: Duration = Duration::from_secs(10);
+
+pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// 10,000 members, each with one connection, plus half again for reconnects that
+/// overlap a connection not yet found dead by keepalive (after a hub failover, all of
+/// them at once).
+pub const MAX_AGENT_CONNECTIONS: usize = 15_000;
+/// An agent opens one session stream per connection; a few more let a reconnect on the
+/// same connection overlap the old stream's end.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 4;
+
+/// The bounds on the gRPC port (flags of `flotilla-hub run`).
+#[derive(clap::Args, Debug, Clone, PartialEq, Eq)]
+pub struct EdgeLimits {
+    /// A peer that has not finished its TLS handshake after this long is dropped.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub tls_handshake_timeout: Duration,
+    /// Connections held at once, handshaking or not; beyond it new ones wait in the
+    /// kernel's accept queue until one ends.
+    #[arg(long, default_value_t = MAX_AGENT_CONNECTIONS)]
+    pub max_agent_connections: usize,
+    /// HTTP/2 streams a connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS).
+    #[arg(long, default_value_t = MAX_STREAMS_PER_CONNECTION)]
+    pub max_streams_per_connection: u32,
+}
+
+impl Default for EdgeLimits {
+    fn default() -> Self {
+        Self {
+            tls_handshake_timeout: TLS_HANDSHAKE_TIMEOUT,
+            max_agent_connections: MAX_AGENT_CONNECTIONS,
+            max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
+        }
+    }
+}
+
+/// The transport the hub serves agents with: TLS with a handshake deadline, few streams
+/// per connection, HTTP/2 keepalive.
+pub fn server(limits: &EdgeLimits, tls: Identity) -> Result<Server, tonic::transport::Error> {
+    Ok(Server::builder()
+        .tls_config(
+            ServerTlsConfig::new()
+                .identity(tls)
+                .timeout(limits.tls_handshake_timeout),
+        )?
+        .max_concurrent_streams(limits.max_streams_per_connection)
+        .http2_keepalive_interval(Some(KEEPALIVE))
+        .http2_keepalive_timeout(Some(KEEPALIVE)))
+}
+
+/// `service` reading agent messages up to [`MAX_AGENT_MESSAGE`] (a larger one ends its
+/// session before it is buffered) and writing Applies up to [`MAX_MESSAGE`].
+pub fn federation<S: Federation>(service: S) -> FederationServer<S> {
+    FederationServer::new(service)
+        .max_decoding_message_size(MAX_AGENT_MESSAGE)
+        .max_encoding_message_size(MAX_MESSAGE)
+}
+
+/// The connections `listener` accepts, at most `max` alive at once: the next is accepted
+/// only once a slot is free, so a flood of silent peers holds at most `max` sockets (and
+/// the accept loop never meets the file descriptor limit).
+pub fn incoming(
+    listener: TcpListener,
+    max: usize,
+) -> impl Stream<Item = io::Result<Counted>> + Send + 'static {
+    let slots = Arc::new(Semaphore::new(max));
+    futures::stream::unfold((listener, slots), |(listener, slots)| async move {
+        let slot = slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        let accepted = listener.accept().await.map(|(stream, _)| Counted {
+            stream,
+            _slot: slot,
+        });
+        Some((accepted, (listener, slots)))
+    })
+}
+
+/// A connection holding one of [`incoming`]'s slots until it is dropped (closed by
+/// either side, or a handshake that failed or timed out).
+pub struct Counted {
+    stream: TcpStream,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Connected for Counted {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.stream.connect_info()
+    }
+}
+
+impl AsyncRead for Counted {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Counted {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+/// The clusters with a session being admitted (from its first byte until the dispatcher
+/// registers it): a second stream of the same cluster meanwhile is refused before its
+/// Hello (up to [`MAX_AGENT_MESSAGE`]) is read, so one credential decodes at most one
+/// Hello at a time. A live session refuses the next one after its Hello
+/// (`Dispatcher::connect`), once the identity checks have named what is wrong with it.
+#[derive(Default)]
+pub struct Admissions {
+    clusters: Mutex<HashSet<String>>,
+}
+
+impl Admissions {
+    /// The cluster's admission, unless another session of it holds one.
+    pub fn admit(self: &Arc<Self>, cluster: &str) -> Option<Admitted> {
+        self.clusters
+            .lock()
+            .insert(cluster.to_owned())
+            .then(|| Admitted {
+                admissions: self.clone(),
+                cluster: cluster.to_owned(),
+            })
+    }
+}
+
+/// Held while a session is admitted; dropping it lets the cluster's next one in.
+pub struct Admitted {
+    admissions: Arc<Admissions>,
+    cluster: String,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.admissions.clusters.lock().remove(&self.cluster);
+    }
+}
+
+/// Why the hub refused or cut something an agent sent: the label of
+/// `flotilla_hub_agent_refused_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// A string past its documented length, cut.
+    LongString,
+    /// A number outside its range (negative, or past what a cluster can hold), clamped.
+    NumberOutOfRange,
+    /// A message over [`MAX_AGENT_MESSAGE`]: the session ends.
+    MessageTooLarge,
+    /// A second session of a cluster that has one, live or being admitted.
+    SecondSession,
+    /// A credential revoked while its session waited for Hello or the plan.
+    RevokedWhileAdmitted,
+}
+
+impl Refusal {
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::LongString => "long_string",
+            Refusal::NumberOutOfRange => "number_out_of_range",
+            Refusal::MessageTooLarge => "message_too_large",
+            Refusal::SecondSession => "second_session",
+            Refusal::RevokedWhileAdmitted => "revoked_while_admitted",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+/// `flotilla_hub_agent_refused_total{reason}`; the cluster is in the log line, not in a
+/// label (10,000 clusters × reasons would be series nobody reads).
+#[derive(Clone, Default)]
+pub struct RefusalMetrics {
+    refused: Family<ReasonLabels, Counter>,
+}
+
+impl RefusalMetrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "flotilla_hub_agent_refused",
+            "Agent input refused or clamped at the hub's gRPC edge, by reason",
+            self.refused.clone(),
+        );
+    }
+
+    pub fn count(&self, refusal: Refusal) {
+        self.refused
+            .get_or_create(&ReasonLabels {
+                reason: refusal.label(),
+            })
+            .inc();
+    }
+
+    pub fn get(&self, refusal: Refusal) -> u64 {
+        self.refused
+            .get_or_create(&ReasonLabels {
+                reason: refusal.label(),
+            })
+            .get()
+    }
+}
