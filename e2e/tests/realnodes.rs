@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use flotilla_crds::{FederatedMyApp, MyApp};
+use flotilla_crds::{FederatedMyApp, MemberCluster, MyApp};
 use flotilla_lab::federation::wait_member_ready;
 use flotilla_lab::provider::realnode::{self, NODE_NAME, REAL_NODE_KEY, oci};
 use flotilla_lab::{Env, Role, await_object, wait_for};
@@ -58,7 +58,69 @@ async fn pods(c: &Client, ns: &str, selector: &str) -> Result<Vec<Pod>> {
 async fn hub_and_agents_run_as_pods_and_the_hub_fails_over() -> Result<()> {
     let env = real_env().await?;
     hub_and_agents_run_as_ready_pods_on_the_real_nodes(&env).await?;
-    deleting_the_leading_hub_pod_fails_over_to_the_standby(&env).await
+    let failover = deleting_the_leading_hub_pod_fails_over_to_the_standby(&env).await;
+    if failover.is_err() {
+        // CI once saw this step time out with nothing to say why: show what the Pods and
+        // MemberClusters looked like then.
+        match federation_state(&env).await {
+            Ok(state) => eprintln!("state after the failed failover:\n{state}"),
+            Err(e) => eprintln!("state after the failed failover: unreadable: {e:#}"),
+        }
+    }
+    failover
+}
+
+/// Every hub and agent Pod (Ready, leader label, restarts), each MemberCluster's Ready
+/// condition and the end of each agent's log.
+async fn federation_state(env: &Env) -> Result<String> {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let describe = |p: &Pod| {
+        let restarts: i32 = p
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .map_or(0, |c| c.iter().map(|c| c.restart_count).sum());
+        let leader = p.labels().get("flotilla.io/leader").cloned();
+        format!(
+            "{} ready={} leader={leader:?} restarts={restarts} deleting={}",
+            p.name_any(),
+            ready(p),
+            p.metadata.deletion_timestamp.is_some()
+        )
+    };
+    let host = env.client("host").await?;
+    let hubs: Api<Pod> = Api::namespaced(host.clone(), NS);
+    let selector = ListParams::default().labels("app.kubernetes.io/name=flotilla-hub");
+    for p in hubs.list(&selector).await?.items {
+        writeln!(out, "host: hub Pod {}", describe(&p))?;
+    }
+    let members: Api<MemberCluster> = Api::all(host.clone());
+    for mc in members.list(&ListParams::default()).await?.items {
+        let ready = mc
+            .status
+            .iter()
+            .flat_map(|s| &s.conditions)
+            .find(|c| c.type_ == "Ready");
+        let ready = ready.map(|c| format!("{} {}: {}", c.status, c.reason, c.message));
+        writeln!(out, "host: MemberCluster {} Ready={ready:?}", mc.name_any())?;
+    }
+    for c in env.clusters.iter().filter(|c| c.role == Role::Member) {
+        let agents: Api<Pod> = Api::namespaced(env.client(&c.name).await?, NS);
+        let selector = ListParams::default().labels("app.kubernetes.io/name=flotilla-agent");
+        for p in agents.list(&selector).await?.items {
+            writeln!(out, "{}: agent Pod {}", c.name, describe(&p))?;
+            let tail = LogParams {
+                tail_lines: Some(15),
+                ..Default::default()
+            };
+            let logs = agents.logs(&p.name_any(), &tail).await.unwrap_or_default();
+            for line in logs.lines() {
+                writeln!(out, "{}:   {line}", c.name)?;
+            }
+        }
+    }
+    Ok(out)
 }
 
 async fn hub_and_agents_run_as_ready_pods_on_the_real_nodes(env: &Env) -> Result<()> {
