@@ -42,7 +42,7 @@ impl ProcessRecord {
     pub fn alive(&self) -> bool {
         match stat(self.pid) {
             Some(stat) => {
-                stat.state != 'Z'
+                (stat.state != 'Z' || threads_exiting(self.pid))
                     && (self.start_time.is_none() || self.start_time == Some(stat.starttime))
             }
             None => false,
@@ -130,6 +130,17 @@ fn proc(pid: u32) -> Option<Process> {
 /// `/proc/<pid>/stat`: the state and the start time (clock ticks since boot).
 fn stat(pid: u32) -> Option<procfs::process::Stat> {
     proc(pid)?.stat().ok()
+}
+
+/// A killed multi-threaded process shows its first thread as a zombie while the others
+/// are still exiting, and it holds its sockets until the last one has: a hub SIGKILLed
+/// with 1,000 sessions still held its ports when the lab started the next one.
+fn threads_exiting(pid: u32) -> bool {
+    proc(pid).and_then(|p| p.tasks().ok()).is_some_and(|tasks| {
+        tasks
+            .flatten()
+            .any(|t| t.stat().is_ok_and(|s| !matches!(s.state, 'Z' | 'X')))
+    })
 }
 
 fn start_time(pid: u32) -> Option<u64> {
