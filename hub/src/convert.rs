@@ -39,22 +39,29 @@ pub struct Bounded<T> {
     pub refused: Option<Refusal>,
 }
 
+/// `s` cut to at most `max` bytes (on a character boundary).
+pub(crate) fn capped(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let end = (0..=max)
+            .rev()
+            .find(|i| s.is_char_boundary(*i))
+            .unwrap_or(0);
+        s.truncate(end);
+    }
+    s
+}
+
 /// Tracks the first bound broken while reading one message.
 #[derive(Default)]
 struct Bounds(Option<Refusal>);
 
 impl Bounds {
     /// `s` cut to at most `max` bytes, on a character boundary.
-    fn string(&mut self, mut s: String, max: usize) -> String {
+    fn string(&mut self, s: String, max: usize) -> String {
         if s.len() > max {
-            let end = (0..=max)
-                .rev()
-                .find(|i| s.is_char_boundary(*i))
-                .unwrap_or(0);
-            s.truncate(end);
             self.0.get_or_insert(Refusal::LongString);
         }
-        s
+        capped(s, max)
     }
 
     /// `n` within `0..=max`.

@@ -40,6 +40,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::auth;
+use crate::convert::capped;
 use crate::dispatch::Dispatcher;
 use crate::status::StatusBoard;
 use crate::writes::{self, Failure, Tracker, Write, WriteMetrics};
@@ -295,18 +296,6 @@ pub struct Membership {
     /// Told which clusters are Ready and which agents it heard.
     status: Option<Arc<StatusBoard>>,
     metrics: WriteMetrics,
-}
-
-/// `s` cut to at most `max` bytes (on a character boundary).
-fn capped(mut s: String, max: usize) -> String {
-    if s.len() > max {
-        let end = (0..=max)
-            .rev()
-            .find(|i| s.is_char_boundary(*i))
-            .unwrap_or(0);
-        s.truncate(end);
-    }
-    s
 }
 
 impl Membership {
