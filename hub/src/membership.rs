@@ -40,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::auth;
-use crate::convert::capped;
+use crate::convert::{HELLO_STRING_MAX as AGENT_STRING_MAX, capped};
 use crate::dispatch::Dispatcher;
 use crate::status::StatusBoard;
 use crate::writes::{self, Failure, Tracker, Write, WriteMetrics};
@@ -51,9 +51,6 @@ const KIND: &str = "membercluster";
 pub const CAPACITY_REPLAN_EVERY: Duration = Duration::from_secs(10);
 /// The hub writes one cluster's capacity at most this often, by default.
 pub const CAPACITY_WRITE_INTERVAL: Duration = Duration::from_secs(60);
-/// What an agent says of itself (versions, the cluster's UID) is cut to this many bytes
-/// before it reaches the host.
-const AGENT_STRING_MAX: usize = 128;
 
 /// Registered clusters (labels, cordon, readiness, capacity), leaving out those being
 /// deleted, as the store holds them now ([`registered_of`]).
