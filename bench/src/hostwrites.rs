@@ -291,11 +291,14 @@ async fn measure<F: Future<Output = Result<()>>>(
     during.await?;
     tokio::time::sleep(settle).await;
     let writes = Requests::read(host).await?.since(&before);
-    Ok(Phase {
+    let phase = Phase {
         name,
         seconds: start.elapsed().as_secs_f64(),
         writes,
-    })
+    };
+    // A long run that fails late still leaves the figures of the phases it finished.
+    eprintln!("bench hostwrites: {name} done: {}", phase.row().join(" | "));
+    Ok(phase)
 }
 
 async fn flap(agents: &[mpsc::Sender<Cmd>], away: Duration) -> Result<()> {
