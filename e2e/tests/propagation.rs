@@ -367,3 +367,81 @@ async fn a_myapp_someone_else_owns_is_left_alone() -> Result<()> {
     myapps(&c.c1).delete(name, &DeleteParams::default()).await?;
     Ok(())
 }
+
+/// `kubectl wait --for=condition=Ready` on the host, the way GitOps tools and scripts
+/// tell a rollout is done.
+fn kubectl_wait(env: &Env, name: &str, condition: &str) -> Result<()> {
+    let kubeconfig = env.kubeconfig(env.host())?;
+    let out = std::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["-n", "default", "wait", "--timeout=60s"])
+        .arg(format!("--for=condition={condition}"))
+        .arg(format!("fma/{name}"))
+        .output()
+        .context("running kubectl wait")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "kubectl wait --for=condition={condition} fma/{name}: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(())
+}
+
+/// kstatus's reading: `Ready` only once every placed cluster runs the current version
+/// Ready (so `kubectl wait` right after a change waits for the change), `Stalled` when a
+/// cluster's override cannot be rendered, and `Reconciling` in between.
+#[tokio::test]
+async fn kubectl_wait_ready_waits_for_every_cluster_to_run_the_new_version() -> Result<()> {
+    let env = Env::load_ready().await?;
+    let c = clusters().await?;
+    let name = "gitops-health";
+    let both = json!({"clusters": [{"name": "cluster1"}, {"name": "cluster2"}]});
+    let spec = |image: &str| json!({"replicas": 2, "image": image});
+    apply(
+        &c.host,
+        &app(name, both.clone(), spec("nginx:1.27"), json!([])),
+    )
+    .await?;
+    kubectl_wait(&env, name, "Ready")?;
+
+    // Right after the change the old Ready is still there, at the old generation:
+    // `kubectl wait` must not take it.
+    apply(
+        &c.host,
+        &app(name, both.clone(), spec("nginx:1.28"), json!([])),
+    )
+    .await?;
+    kubectl_wait(&env, name, "Ready")?;
+    for member in [&c.c1, &c.c2] {
+        let running = myapps(member).get(name).await?;
+        assert_eq!(running.spec.workload.image.as_deref(), Some("nginx:1.28"));
+        let status = running.status.context("no MyApp status")?;
+        assert!(status.ready, "Ready on the host, so Ready on every member");
+        assert_eq!(status.observed_generation, running.metadata.generation);
+    }
+    let status = status_where(&c.host, name, "settled", |_| true).await?;
+    assert_eq!(
+        condition(&status, "Reconciling").unwrap()["status"],
+        "False"
+    );
+    assert_eq!(condition(&status, "Stalled").unwrap()["status"], "False");
+
+    // An override that cannot apply to cluster2: it keeps 1.28, the app is Stalled and
+    // not Ready.
+    let bad = json!([{"clusterName": "cluster2", "clusterOverrides": [{"path": "/spec/replicas", "value": 11}]}]);
+    apply(&c.host, &app(name, both, spec("nginx:1.29"), bad)).await?;
+    kubectl_wait(&env, name, "Stalled")?;
+    let status = status_where(&c.host, name, "stalled", |_| true).await?;
+    assert_eq!(
+        condition(&status, "Ready").unwrap()["reason"],
+        "RenderFailed"
+    );
+    assert_eq!(
+        condition(&status, "Stalled").unwrap()["reason"],
+        "RenderFailed"
+    );
+    let kept = myapps(&c.c2).get(name).await?;
+    assert_eq!(kept.spec.workload.image.as_deref(), Some("nginx:1.28"));
+    delete_and_wait(&c.host, name).await
+}

@@ -185,11 +185,12 @@ fn fold(
     };
     let propagated = propagated(inputs, &tally, limits.condition_message, cond);
     let ready = ready(&tally, limits.condition_message, cond);
+    let [reconciling, stalled] = progress(&tally, &propagated, &ready, cond);
     let before: &[Condition] = previous.map_or(&[], |p| &p.conditions);
     let failed = tally.count(Reason::RenderFailed) + tally.count(Reason::ApplyFailed);
     let mut status = FederatedMyAppStatus {
         observed_generation: plan.generation,
-        conditions: [propagated, ready]
+        conditions: [propagated, ready, reconciling, stalled]
             .into_iter()
             .map(|c| condition::settle(c, before))
             .collect(),
@@ -367,7 +368,21 @@ fn ready(
     cond: impl Fn(&str, bool, &str, String) -> Condition,
 ) -> Condition {
     let (placed, ready_count) = (tally.placed, tally.ready);
-    if placed == 0 {
+    let unrendered = tally.count(Reason::RenderFailed);
+    if unrendered > 0 {
+        // Those clusters keep their previous version: the app is not Ready everywhere.
+        let head = format!(
+            "{unrendered} cluster(s) keep their previous version: the template could not be rendered for them"
+        );
+        let mut each = vec![head];
+        each.extend(tally.not_ready.iter().cloned());
+        cond(
+            "Ready",
+            false,
+            Reason::RenderFailed.as_str(),
+            join_capped(each, "; ", max),
+        )
+    } else if placed == 0 {
         cond(
             "Ready",
             false,
@@ -388,6 +403,69 @@ fn ready(
         let message = join_capped(each, "; ", max);
         cond("Ready", false, "NotReady", message)
     }
+}
+
+/// kstatus's abnormal-true pair, so that `kubectl wait`, Flux and Argo CD tell a
+/// finished rollout without a health script of their own. `Stalled`: nothing changes
+/// until the spec or the fleet does (an invalid placement, a template that cannot be
+/// rendered for a cluster, no cluster selected). `Reconciling`: otherwise, until every
+/// placed cluster runs the current version Ready. Short messages: `Propagated` and
+/// `Ready` name the clusters, and the status stays within its bound.
+fn progress(
+    tally: &Tally,
+    propagated: &Condition,
+    ready: &Condition,
+    cond: impl Fn(&str, bool, &str, String) -> Condition,
+) -> [Condition; 2] {
+    let stalled = match (propagated.reason.as_str(), ready.reason.as_str()) {
+        // A deletion goes on whatever the spec says.
+        ("Deleting", _) => None,
+        ("InvalidPlacement", _) => Some((
+            "InvalidPlacement",
+            "the placement is invalid (Propagated says why)".to_owned(),
+        )),
+        (_, "RenderFailed") => Some((
+            "RenderFailed",
+            format!(
+                "the template cannot be rendered for {} cluster(s) (Propagated names them)",
+                tally.count(Reason::RenderFailed)
+            ),
+        )),
+        (_, "NoClusters") => Some((
+            "NoClusters",
+            "the placement selects no registered cluster".to_owned(),
+        )),
+        _ => None,
+    };
+    if let Some((reason, message)) = stalled {
+        return [
+            cond("Reconciling", false, "Stalled", "see Stalled".to_owned()),
+            cond("Stalled", true, reason, message),
+        ];
+    }
+    let not_stalled = cond("Stalled", false, "NotStalled", String::new());
+    if ready.status == "True" && propagated.status == "True" {
+        let done = format!(
+            "the current version is Ready on all {} cluster(s)",
+            tally.placed
+        );
+        return [cond("Reconciling", false, "Ready", done), not_stalled];
+    }
+    let reason = if propagated.status == "True" {
+        ready.reason.as_str()
+    } else {
+        propagated.reason.as_str()
+    };
+    let counts = [
+        (tally.count(Reason::Pending), "pending"),
+        (tally.count(Reason::ApplyFailed), "retrying a failed apply"),
+        (tally.count(Reason::AgentDisconnected), "disconnected"),
+    ];
+    let mut message = format!("{} of {} cluster(s) ready", tally.ready, tally.placed);
+    for (n, what) in counts.into_iter().filter(|(n, _)| *n > 0) {
+        message.push_str(&format!(", {n} {what}"));
+    }
+    [cond("Reconciling", true, reason, message), not_stalled]
 }
 
 /// `items` joined with `sep` within `max` bytes: the first items that fit, then
@@ -610,11 +688,13 @@ mod tests {
         );
         assert!(c.message.starts_with("c2: spec.overrides[0]"));
         assert_eq!((s.placed_clusters, s.ready_clusters), (1, 1));
+        let ready = cond(&s, "Ready");
         assert_eq!(
-            cond(&s, "Ready").status,
-            "True",
-            "the placed, rendered clusters are ready"
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("False", "RenderFailed"),
+            "c2 keeps its previous version, so the app is not Ready everywhere"
         );
+        assert_eq!(cond(&s, "Stalled").status, "True");
     }
 
     #[test]
@@ -751,5 +831,126 @@ mod tests {
                 .iter()
                 .all(|c| c.observed_generation == Some(4))
         );
+    }
+
+    /// kstatus's reading of a custom resource (sigs.k8s.io/cli-utils `kstatus`, the
+    /// generic conditions): an older `observedGeneration` or `Reconciling` is InProgress,
+    /// `Stalled` is Failed, anything else is Current.
+    fn kstatus(generation: i64, s: &FederatedMyAppStatus) -> &'static str {
+        let is_true = |t: &str| condition::is_true(&s.conditions, t) == Some(true);
+        if s.observed_generation.is_none_or(|g| g < generation) || is_true("Reconciling") {
+            "InProgress"
+        } else if is_true("Stalled") {
+            "Failed"
+        } else {
+            "Current"
+        }
+    }
+
+    /// One cluster as a test sets it up: its plan, its report and whether it is reachable.
+    #[derive(Debug, Clone)]
+    enum Case {
+        Ready,
+        NotReady,
+        OldVersion,
+        NoReport,
+        ApplyFailed,
+        Disconnected,
+        RenderFailed,
+        FailedOver,
+    }
+
+    fn case() -> impl proptest::strategy::Strategy<Value = Case> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => Just(Case::Ready),
+            1 => Just(Case::NotReady),
+            1 => Just(Case::OldVersion),
+            1 => Just(Case::NoReport),
+            1 => Just(Case::ApplyFailed),
+            1 => Just(Case::Disconnected),
+            1 => Just(Case::RenderFailed),
+            1 => Just(Case::FailedOver),
+        ]
+    }
+
+    proptest::proptest! {
+        /// GitOps tools see Current exactly when `Ready` is True, i.e. when every
+        /// selected cluster runs the current version Ready; a cluster the template
+        /// cannot be rendered for, or an invalid placement, is Failed; the two
+        /// abnormal-true conditions are never True together.
+        #[test]
+        fn kstatus_reads_ready_as_current(
+            cases in proptest::collection::vec(case(), 0..6),
+            invalid_placement in proptest::bool::weighted(0.1),
+            deleting in proptest::bool::weighted(0.1),
+        ) {
+            let mut entries = Vec::new();
+            let (mut reports, mut reachable) = (BTreeMap::new(), HashSet::new());
+            for (i, c) in cases.iter().enumerate() {
+                let (name, hash) = (format!("c{i}"), format!("h{i}"));
+                let planned = match c {
+                    // An app that cannot be planned keeps every cluster as it is.
+                    _ if invalid_placement => ClusterPlan::Keep(KeepReason::Unplanned),
+                    Case::RenderFailed => failed("spec.overrides[0]", "/spec/x", "missing"),
+                    Case::FailedOver => ClusterPlan::Keep(KeepReason::FailedOver),
+                    _ => rendered(&hash),
+                };
+                let r = match c {
+                    Case::Ready | Case::Disconnected => Some(report(&hash, true, 1)),
+                    Case::NotReady => Some(report(&hash, false, 0)),
+                    Case::OldVersion => Some(report("older", true, 1)),
+                    Case::ApplyFailed => Some(Report {
+                        apply_error: Some("webhook denied".into()),
+                        ..report(&hash, false, 0)
+                    }),
+                    _ => None,
+                };
+                if let Some(r) = r {
+                    reports.insert(name.clone(), r);
+                }
+                if !matches!(c, Case::Disconnected) {
+                    reachable.insert(name.clone());
+                }
+                entries.push((name, planned));
+            }
+            let mut p = AppPlan {
+                generation: Some(4),
+                clusters: entries.into_iter().collect(),
+                ..Default::default()
+            };
+            if invalid_placement {
+                p.placement_error = Some(AppError::Placement(SelectorError {
+                    field: "spec.placement.clusterSelector".into(),
+                    reason: "bad".into(),
+                }));
+            }
+            let waiting = ["c0".to_owned()];
+            let s = compute(
+                &Inputs {
+                    plan: &p,
+                    deleting_on: deleting.then_some(&waiting[..]),
+                    reports: Some(&reports),
+                    reachable: &reachable,
+                },
+                None,
+                &now(),
+            );
+            let ready = cond(&s, "Ready").status == "True";
+            let reading = kstatus(4, &s);
+            proptest::prop_assert_eq!(reading == "Current", ready && !deleting, "{:?}", s.conditions);
+            let everywhere = !invalid_placement
+                && cases.iter().any(|c| !matches!(c, Case::FailedOver))
+                && cases.iter().all(|c| matches!(c, Case::Ready | Case::FailedOver));
+            proptest::prop_assert_eq!(ready, everywhere, "{:?} {:?}", cases, s.conditions);
+            let stalls = invalid_placement
+                || cases.iter().any(|c| matches!(c, Case::RenderFailed))
+                || cases.iter().all(|c| matches!(c, Case::RenderFailed | Case::FailedOver));
+            proptest::prop_assert_eq!(reading == "Failed", stalls && !deleting, "{:?}", s.conditions);
+            proptest::prop_assert!(
+                !(cond(&s, "Reconciling").status == "True" && cond(&s, "Stalled").status == "True")
+            );
+            proptest::prop_assert_eq!(kstatus(5, &s), "InProgress", "a newer spec is not planned yet");
+        }
     }
 }
