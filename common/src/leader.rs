@@ -309,6 +309,12 @@ async fn pod_label_loop(
             .await
         {
             Ok(_) => true,
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                // No such Pod (a process outside a cluster that names itself): retrying
+                // every 2 s would not make one appear, only fill the log.
+                warn!(pod = %format!("{namespace}/{pod}"), "no such Pod: the {LEADER_LABEL} label is not kept");
+                return;
+            }
             Err(e) => {
                 warn!(pod = %format!("{namespace}/{pod}"), error = %e, "labelling the Pod {LEADER_LABEL}={want}");
                 false
