@@ -185,7 +185,8 @@ fn fold(
     };
     let propagated = propagated(inputs, &tally, limits.condition_message, cond);
     let ready = ready(&tally, limits.condition_message, cond);
-    let [reconciling, stalled] = progress(&tally, &propagated, &ready, cond);
+    let unplannable = plan.placement_error.is_some() && inputs.deleting_on.is_none();
+    let [reconciling, stalled] = progress(&tally, unplannable, &propagated, &ready, cond);
     let before: &[Condition] = previous.map_or(&[], |p| &p.conditions);
     let failed = tally.count(Reason::RenderFailed) + tally.count(Reason::ApplyFailed);
     let mut status = FederatedMyAppStatus {
@@ -413,6 +414,7 @@ fn ready(
 /// `Ready` name the clusters, and the status stays within its bound.
 fn progress(
     tally: &Tally,
+    unplannable: bool,
     propagated: &Condition,
     ready: &Condition,
     cond: impl Fn(&str, bool, &str, String) -> Condition,
@@ -420,9 +422,9 @@ fn progress(
     let stalled = match (propagated.reason.as_str(), ready.reason.as_str()) {
         // A deletion goes on whatever the spec says.
         ("Deleting", _) => None,
-        ("InvalidPlacement", _) => Some((
-            "InvalidPlacement",
-            "the placement is invalid (Propagated says why)".to_owned(),
+        (why, _) if unplannable => Some((
+            why,
+            "the app cannot be planned (Propagated says why)".to_owned(),
         )),
         (_, "RenderFailed") => Some((
             "RenderFailed",
