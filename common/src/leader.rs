@@ -113,6 +113,8 @@ pub enum LeaderError {
         value: String,
         reason: &'static str,
     },
+    #[error("starting the leader election's thread: {0}")]
+    Thread(String),
 }
 
 impl LeaderArgs {
@@ -250,7 +252,42 @@ pub fn elect(
         let span = tracing::info_span!("leader election", %lease);
         tokio::join!(label, tracing::Instrument::instrument(campaign, span));
     };
-    Ok((rx, task.boxed()))
+    Ok((rx, on_own_thread(task)?))
+}
+
+/// Runs the campaign on a thread and runtime of its own, done when it is. A hub busy
+/// with a thousand reconnecting agents holds every worker of the main runtime; an
+/// election that waits for one misses its renew deadline (the 1,000-cluster bench lost
+/// the Lease 19 s after taking it, and every agent session with it, again and again).
+/// The OS schedules this thread whatever the main runtime is doing. Dropping the
+/// returned future drops the campaign where it stands, as before: nothing is released.
+fn on_own_thread(
+    task: impl Future<Output = ()> + Send + 'static,
+) -> Result<futures::future::BoxFuture<'static, ()>, LeaderError> {
+    let (done, finished) = tokio::sync::oneshot::channel::<()>();
+    let dropped = CancellationToken::new();
+    let on_drop = dropped.clone().drop_guard();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| LeaderError::Thread(e.to_string()))?;
+    std::thread::Builder::new()
+        .name("leader-election".into())
+        .spawn(move || {
+            runtime.block_on(async {
+                tokio::select! {
+                    () = task => {}
+                    () = dropped.cancelled() => {}
+                }
+            });
+            let _ = done.send(());
+        })
+        .map_err(|e| LeaderError::Thread(e.to_string()))?;
+    Ok(async move {
+        let _on_drop = on_drop;
+        let _ = finished.await;
+    }
+    .boxed())
 }
 
 /// The election's own client config: no retry layer (each call is one request, which

@@ -7,6 +7,8 @@
 //! - a leader whose calls are held up (its connection blackholed by a TCP proxy) for
 //!   less than the renew deadline keeps the lead, and no one takes over; held up for
 //!   longer, it stops leading before the standby starts;
+//! - a leader whose runtime is held by other work past the renew deadline keeps the lead
+//!   (the campaign has a thread of its own);
 //! - a Lease changed by someone else is never overwritten (`resourceVersion`), and the
 //!   leader stops at once;
 //! - the FlowSchemas of `deploy/` put the hub's and the agent's Lease requests, and only
@@ -317,6 +319,44 @@ async fn held_up_renewals_change_nothing_before_the_renew_deadline() -> Result<(
     for c in [a, b] {
         c.stop().await?;
     }
+    remove(&host, &lease).await
+}
+
+/// A hub whose runtime is busy (a thousand agents reconnecting at once) keeps the lead:
+/// the campaign runs on a thread of its own. Both workers of this test's runtime are held
+/// past the renew deadline, as CPU-bound work that never yields holds them; the leader
+/// renews meanwhile and never steps down (it did, and closed every session, when the
+/// campaign shared the runtime).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_runtime_does_not_cost_the_lead() -> Result<()> {
+    let (env, host, lease) = setup("busy").await?;
+    let leader = Candidate::start(host_config(&env, None).await?, &lease, "busy")?;
+    wait_leads(&leader, Duration::from_secs(10)).await?;
+    let (_, version, transitions) = holder(&host, &lease).await?;
+    let since = Instant::now();
+    let held = RENEW_DEADLINE + RETRY_PERIOD * 2;
+    let hogs: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(async move { std::thread::sleep(held) }))
+        .collect();
+    for hog in hogs {
+        hog.await?;
+    }
+    let (id, renewed, after) = holder(&host, &lease).await?;
+    tokio::time::sleep(RETRY_PERIOD * 2).await;
+    ensure!(
+        leader.changes_since(since).is_empty(),
+        "the leader stepped down while the runtime was busy: {:?}",
+        leader.changes_since(since)
+    );
+    ensure!(
+        id == "busy" && after == transitions && renewed != version,
+        "renewed by the campaign's own thread meanwhile: {id} {after} {renewed}"
+    );
+    println!(
+        "election: runtime held for {:.0}s: no step-down, the Lease renewed meanwhile",
+        held.as_secs_f64()
+    );
+    leader.stop().await?;
     remove(&host, &lease).await
 }
 
