@@ -268,4 +268,41 @@ mod tests {
             assert_eq!(answer.is_err(), refused, "case {i}: {answer:?}");
         }
     }
+
+    mod property {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(256))]
+
+            /// Any strings (control characters, quotes, astral planes), any sizes around
+            /// the limits: admission answers, and refuses exactly the app whose template
+            /// or overrides serialize to more bytes than their limit.
+            #[test]
+            fn refuses_exactly_what_serializes_past_a_limit(
+                config in prop::collection::btree_map(any::<String>(), any::<String>(), 0..8),
+                values in prop::collection::vec(any::<String>(), 0..6),
+                cluster in any::<String>(),
+            ) {
+                let admission = Admission {
+                    limits: SizeLimits { template_bytes: 300, override_ops: 4, overrides_bytes: 400 },
+                    ..Admission::default()
+                };
+                let ops: Vec<_> = values
+                    .iter()
+                    .map(|v| json!({"op": "add", "path": "/spec/config/k", "value": v}))
+                    .collect();
+                let spec = json!({
+                    "template": {"spec": {"config": config}},
+                    "overrides": [{"clusterName": cluster, "clusterOverrides": ops}],
+                });
+                let app = app("team", spec);
+                let template = serde_json::to_vec(&app.spec.template).unwrap().len();
+                let overrides = serde_json::to_vec(&app.spec.overrides).unwrap().len();
+                let over = template > 300 || values.len() > 4 || overrides > 400;
+                prop_assert_eq!(admission.admit(&app).is_err(), over);
+            }
+        }
+    }
 }
