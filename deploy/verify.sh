@@ -117,7 +117,7 @@ declare -A VALUES=(
   [member]="--set hub.enabled=false --set agent.enabled=true --set agent.cluster=paris --set agent.hub.address=hub.example.com:7443 --set monitoring.enabled=true"
   [member-with-secret]="--set hub.enabled=false --set agent.enabled=true --set agent.cluster=paris --set agent.hub.address=10.0.0.1:30743 --set agent.hub.serverName=flotilla-hub.flotilla-system.svc --set agent.hub.token=paris.x --set agent.hub.caCrt=pem"
   [operator]="--set hub.enabled=false --set agent.enabled=true --set agent.mode=operator"
-  [host-and-member]="--set agent.enabled=true --set agent.cluster=host --set agent.hub.address=flotilla-hub.flotilla-system.svc:7443 --set monitoring.enabled=true"
+  [host-and-member]="--set agent.enabled=true --set agent.cluster=host --set agent.hub.address=flotilla-hub.flotilla-system.svc:7443 --set monitoring.enabled=true --set tenancy.forbiddenNamespaces={vault,argocd}"
 )
 for name in $(printf '%s\n' "${!VALUES[@]}" | sort); do
   step "helm lint and kubeconform: $CHART ($name)"

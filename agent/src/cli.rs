@@ -12,11 +12,14 @@ use k8s_openapi::jiff::SignedDuration;
 
 use crate::operator::{Namespaces, OperatorConfig};
 use crate::session::SessionConfig;
+use crate::tenancy::Guard;
 use crate::webhook::WebhookConfig;
 use crate::webhook::crd::Endpoint;
 use flotilla_common::kubeconfig::KubeArgs;
 use flotilla_common::leader;
 use flotilla_common::telemetry;
+use flotilla_common::tenancy::TenancyArgs;
+use flotilla_crds::tenancy::NamespacePolicy;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -35,6 +38,10 @@ pub struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "parsed once at start; boxing the flags would buy nothing"
+)]
 pub enum Command {
     /// Join the hub: apply the MyApps it sends, report their status, and run the
     /// operator and conversion webhook beside.
@@ -86,6 +93,8 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
     pub apply_concurrency: u16,
     #[command(flatten)]
+    pub tenancy: TenancyArgs,
+    #[command(flatten)]
     pub operator: OperatorArgs,
 }
 
@@ -112,6 +121,10 @@ impl RunArgs {
             max_collect_share: self.max_collect_share,
             capacity_interval: Some(self.capacity_interval).filter(|i| !i.is_zero()),
             concurrency: self.apply_concurrency.into(),
+            guard: Guard::new(NamespacePolicy::new(
+                &self.tenancy.flotilla_namespace,
+                &self.tenancy.forbidden_namespaces,
+            )),
         })
     }
 }

@@ -1,12 +1,13 @@
 //! The Flotilla agent, one per member cluster. Modules follow the data flow: `session`
 //! talks to the hub and hands its commands to `sync`, which keeps them in a `queue` (the
-//! latest wish per MyApp, retried with backoff) and writes the MyApps; after the initial
-//! sync `collect` says which orphans go; `report` sends their status back; `cache` holds
-//! the MyApps the agent reads. Beside them, `capacity` measures the cluster's room for
-//! pods for the hub's scheduling, `operator` turns each MyApp into a running Deployment,
-//! and `webhook` converts between MyApp versions for the apiserver. Health, metrics,
-//! logs, shutdown, supervision and leader election come from `flotilla-common`, shared
-//! with the hub; `run` wires them together and `cli` reads the command line.
+//! latest wish per MyApp, retried with backoff) and writes the MyApps, never into a
+//! namespace `tenancy` forbids; after the initial sync `collect` says which orphans go;
+//! `report` sends their status back; `cache` holds the MyApps the agent reads. Beside
+//! them, `capacity` measures the cluster's room for pods for the hub's scheduling,
+//! `operator` turns each MyApp into a running Deployment, and `webhook` converts between
+//! MyApp versions for the apiserver. Health, metrics, logs, shutdown, supervision and
+//! leader election come from `flotilla-common`, shared with the hub; `run` wires them
+//! together and `cli` reads the command line.
 
 pub mod cache;
 pub mod capacity;
@@ -18,6 +19,7 @@ pub mod report;
 pub mod run;
 pub mod session;
 pub mod sync;
+pub mod tenancy;
 pub mod webhook;
 
 /// A client of an apiserver that never answers: nothing listens on a port just

@@ -60,7 +60,13 @@ pub async fn serve(
     let client = kube::Client::try_from(kube_config.clone()).context("connecting to Kubernetes")?;
     let (leading, campaign) =
         leader::elect(kube_config, &args.leader, leader::AGENT, shutdown.clone())?;
-    let metrics = Arc::new(Metrics::default());
+    let mut metrics = Metrics::default();
+    if let Some(session) = &session {
+        session.guard.register(metrics.registry_mut());
+        let forbidden: Vec<&str> = session.guard.forbidden().collect();
+        info!(?forbidden, "MyApps in these namespaces are refused");
+    }
+    let metrics = Arc::new(metrics);
     let readiness = Readiness::default();
     let operator_ready = readiness.gate("operator");
     let webhook_ready = readiness.gate("webhook");

@@ -29,6 +29,7 @@ use tracing::{debug, info, warn};
 use crate::cache::{Key, Managed, applied_hash, key_of};
 use crate::collect::{Breaker, Collector};
 use crate::sync::{self, Applier};
+use crate::tenancy::Guard;
 use crate::{capacity, report};
 
 #[derive(Clone)]
@@ -50,6 +51,8 @@ pub struct SessionConfig {
     pub capacity_interval: Option<Duration>,
     /// The hub's requests carried out at once (each MyApp's one at a time, in order).
     pub concurrency: usize,
+    /// The namespaces no MyApp is applied into, whatever the hub sends.
+    pub guard: Guard,
 }
 
 /// A message from the hub, as the agent acts on it.
@@ -125,7 +128,8 @@ pub async fn run(
     capacity: Option<capacity::Source>,
     shutdown: CancellationToken,
 ) {
-    let applier = Arc::new(Applier::new(client.clone(), managed.store.clone()));
+    let applier = Applier::new(client.clone(), managed.store.clone());
+    let applier = Arc::new(applier.with_guard(config.guard.clone()));
     let mut backoff = reconnect_backoff().build();
     loop {
         let started = Instant::now();

@@ -28,6 +28,7 @@ use crate::collect::{Collection, Collector};
 use crate::queue::{Failed, KeyedQueue, retry_backoff};
 use crate::report::Notice;
 use crate::session::HubCommand;
+use crate::tenancy::Guard;
 
 pub const FIELD_MANAGER: &str = "flotilla-agent";
 
@@ -106,6 +107,11 @@ where
 pub enum SyncError {
     #[error("the manifest is not a MyApp for {key}: {reason}")]
     BadManifest { key: Key, reason: String },
+    #[error("MyApp {key} refused: {forbidden}")]
+    Forbidden {
+        key: Key,
+        forbidden: flotilla_crds::tenancy::Forbidden,
+    },
     #[error("a MyApp {key} exists that Flotilla does not manage; it is left alone")]
     NotManaged { key: Key },
     #[error("MyApp {key} was replaced while it was being deleted; retrying")]
@@ -123,11 +129,22 @@ pub struct Applier {
     client: Client,
     /// MyApps carrying the managed-by label, kept by the agent's reflector.
     managed: Store<MyApp>,
+    /// The namespaces never applied into (the default policy unless told otherwise).
+    guard: Guard,
 }
 
 impl Applier {
     pub fn new(client: Client, managed: Store<MyApp>) -> Self {
-        Self { client, managed }
+        Self {
+            client,
+            managed,
+            guard: Guard::default(),
+        }
+    }
+
+    /// Refuses what `guard` forbids instead of the default policy.
+    pub fn with_guard(self, guard: Guard) -> Self {
+        Self { guard, ..self }
     }
 
     fn api(&self, namespace: &str) -> Api<MyApp> {
@@ -146,7 +163,7 @@ impl Applier {
                 debug!(app = %key, "done");
                 Ok(())
             }
-            Err(e @ SyncError::BadManifest { .. }) => {
+            Err(e @ (SyncError::BadManifest { .. } | SyncError::Forbidden { .. })) => {
                 // Retrying the same bytes cannot help: reported, not retried.
                 warn!(app = %key, error = %e, "refused");
                 Err(Failed {
@@ -165,6 +182,13 @@ impl Applier {
     }
 
     pub async fn apply(&self, key: &Key, manifest: &[u8]) -> Result<(), SyncError> {
+        // Before anything is read: a forbidden namespace costs the apiserver nothing.
+        self.guard
+            .check(key)
+            .map_err(|forbidden| SyncError::Forbidden {
+                key: key.clone(),
+                forbidden,
+            })?;
         let bad = |reason: String| SyncError::BadManifest {
             key: key.clone(),
             reason,

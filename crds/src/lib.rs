@@ -5,6 +5,7 @@ pub mod federated;
 mod key;
 pub mod member;
 pub mod myapp;
+pub mod tenancy;
 
 pub use federated::{FederatedMyApp, FederatedMyAppSpec, FederatedMyAppStatus};
 pub use key::AppKey;

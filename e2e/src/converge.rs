@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use flotilla_crds::{
     FederatedMyApp, HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MemberCluster,
 };
+use flotilla_plan::admission::Admission;
 use flotilla_plan::placement::{self, Members};
 use flotilla_plan::{ClusterPlan, plan};
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams};
@@ -79,7 +80,7 @@ pub fn desired(apps: &[FederatedMyApp], members: &Members, clusters: &[&str]) ->
             app.namespace().unwrap_or_else(|| "default".into()),
             app.name_any()
         );
-        for (cluster, planned) in plan(app, members).clusters {
+        for (cluster, planned) in plan(app, members, &Admission::default()).clusters {
             let want = match planned {
                 ClusterPlan::Apply(r) => {
                     let mut value = r.to_value();
@@ -301,7 +302,7 @@ mod tests {
         assert_ne!(h1, h2);
         assert!(d["cluster3"].is_empty(), "not placed there");
         // The hash is the hub's: the same as `render` gives for that cluster.
-        let planned = plan(&seed, &m);
+        let planned = plan(&seed, &m, &Admission::default());
         assert_eq!(planned.clusters["cluster1"].rendered().unwrap().hash, h1);
     }
 

@@ -594,6 +594,112 @@ async fn deleting_the_myapp_collects_its_children() {
     .unwrap();
 }
 
+/// An object of a child's name that the operator did not create is never adopted: the
+/// MyApp says `Degraded/NotOwned` naming it, the object keeps its content, and it
+/// survives the MyApp's deletion (an adopted one would be garbage-collected with it).
+#[tokio::test]
+async fn a_same_named_object_the_operator_did_not_create_is_left_alone() {
+    let f = Fixture::start("notowned").await;
+    let (config_maps, deployments) = (f.api::<ConfigMap>(), f.api::<Deployment>());
+    let theirs: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "web-config"}, "data": {"owner": "someone else"}
+    }))
+    .unwrap();
+    config_maps
+        .create(&PostParams::default(), &theirs)
+        .await
+        .unwrap();
+    let foreign_deploy: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "api-deploy"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"run": "theirs"}},
+                 "template": {"metadata": {"labels": {"run": "theirs"}},
+                              "spec": {"containers": [{"name": "c", "image": "busybox:1"}]}}}
+    }))
+    .unwrap();
+    deployments
+        .create(&PostParams::default(), &foreign_deploy)
+        .await
+        .unwrap();
+    f.create(
+        "web",
+        json!({"replicas": 1, "image": "nginx:1.27", "config": {"a": "b"}}),
+    )
+    .await;
+    f.create("api", json!({"replicas": 1, "image": "nginx:1.27"}))
+        .await;
+
+    for (app, kind, child) in [
+        ("web", "ConfigMap", "web-config"),
+        ("api", "Deployment", "api-deploy"),
+    ] {
+        let status = f.condition_reason(app, "NotOwned").await;
+        assert_eq!(condition(&status, "Degraded"), ("True", "NotOwned"));
+        assert_eq!(condition(&status, "Ready"), ("False", "NotOwned"));
+        assert!(!status.ready, "{app}");
+        let degraded = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Degraded")
+            .unwrap();
+        assert!(
+            degraded.message.starts_with(&format!(
+                "{kind} {child} exists and is not controlled by this MyApp"
+            )),
+            "{}",
+            degraded.message
+        );
+    }
+    let cm = config_maps.get("web-config").await.unwrap();
+    let untouched = BTreeMap::from([("owner".to_owned(), "someone else".to_owned())]);
+    assert_eq!(cm.data.unwrap(), untouched);
+    assert!(cm.metadata.owner_references.is_none(), "adopted");
+    assert!(
+        deployments.get_opt("web-deploy").await.unwrap().is_none(),
+        "no Deployment is started on a config it does not own"
+    );
+    let d = deployments.get("api-deploy").await.unwrap();
+    let image = d.spec.unwrap().template.spec.unwrap().containers[0]
+        .image
+        .clone();
+    assert_eq!(image.as_deref(), Some("busybox:1"));
+    assert!(d.metadata.owner_references.is_none(), "adopted");
+    // api's own ConfigMap is made as usual: only the taken name is refused.
+    let own = config_maps.get("api-config").await.unwrap();
+    assert!(
+        own.metadata
+            .owner_references
+            .is_some_and(|o| o[0].name == "api")
+    );
+
+    let apps = f.api::<MyApp>();
+    for app in ["web", "api"] {
+        apps.delete(app, &DeleteParams::default()).await.unwrap();
+    }
+    wait_for(TIMEOUT, "api's own ConfigMap to be collected", || async {
+        Ok(config_maps
+            .get_opt("api-config")
+            .await?
+            .is_none()
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    let apps_gone = |a: Option<&MyApp>| a.is_none();
+    for app in ["web", "api"] {
+        await_object(&apps, app, TIMEOUT, "the MyApp gone", apps_gone)
+            .await
+            .unwrap();
+    }
+    assert!(
+        config_maps.get_opt("web-config").await.unwrap().is_some(),
+        "collected with the MyApp"
+    );
+    assert!(
+        deployments.get_opt("api-deploy").await.unwrap().is_some(),
+        "collected with the MyApp"
+    );
+}
+
 #[tokio::test]
 async fn a_myapp_without_image_is_degraded_not_deployed() {
     let f = Fixture::start("noimage").await;

@@ -14,7 +14,8 @@ fuzz_target!(|data: &[u8]| {
         .into_iter()
         .map(|c| (c.to_owned(), Default::default()))
         .collect();
-    let planned = flotilla_plan::plan(&app, &members);
+    let admission = flotilla_plan::admission::Admission::default();
+    let planned = flotilla_plan::plan(&app, &members, &admission);
     for r in planned.clusters.values().filter_map(|p| p.rendered()) {
         // The bytes pushed to agents are JSON.
         let _ = r.to_value();

@@ -6,6 +6,7 @@ use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use flotilla_crds::FederatedMyApp;
+use flotilla_plan::admission::Admission;
 use flotilla_plan::placement::{Member, Members};
 use flotilla_plan::{AppPlan, plan};
 use serde_json::json;
@@ -60,7 +61,10 @@ fn clean(planned: &AppPlan) -> bool {
 
 fn bench(c: &mut Criterion) {
     let (app, members) = fixture();
-    assert!(clean(&plan(&app, &members)), "the fixture renders cleanly");
+    assert!(
+        clean(&plan(&app, &members, &Admission::default())),
+        "the fixture renders cleanly"
+    );
     let mut group = c.benchmark_group("render_100_clusters_x_5_overrides");
     group.throughput(Throughput::Elements(CLUSTERS as u64));
     group.bench_function("floor_serialize_template_per_cluster", |b| {
@@ -71,7 +75,7 @@ fn bench(c: &mut Criterion) {
         })
     });
     group.bench_function("render", |b| {
-        b.iter(|| black_box(plan(black_box(&app), &members)))
+        b.iter(|| black_box(plan(black_box(&app), &members, &Admission::default())))
     });
     // The same app dividing 500 replicas by weight: the schedule's cost on top.
     let mut divided = app.clone();
@@ -85,9 +89,9 @@ fn bench(c: &mut Criterion) {
         }))
         .unwrap(),
     );
-    assert!(clean(&plan(&divided, &members)));
+    assert!(clean(&plan(&divided, &members, &Admission::default())));
     group.bench_function("render_weighted", |b| {
-        b.iter(|| black_box(plan(black_box(&divided), &members)))
+        b.iter(|| black_box(plan(black_box(&divided), &members, &Admission::default())))
     });
     group.finish();
 }

@@ -16,6 +16,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use flotilla_common::kubeconfig::KubeArgs;
+use flotilla_common::tenancy::TenancyArgs;
 use flotilla_plan::placement::{Member, Members};
 use flotilla_plan::plan::FAILED_OVER;
 use flotilla_plan::{AppPlan, ClusterPlan, KeepReason};
@@ -38,6 +39,10 @@ pub struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "parsed once at start; boxing the flags would buy nothing"
+)]
 pub enum Command {
     /// Run the hub against the host cluster (kubeconfig or in-cluster config).
     Run(crate::run::RunArgs),
@@ -88,6 +93,9 @@ pub struct RenderArgs {
     pub now: Option<Timestamp>,
     #[arg(short = 'o', long, value_enum, default_value_t = Output::Yaml)]
     pub output: Output,
+    /// As the hub's: the preview refuses what the hub would.
+    #[command(flatten)]
+    pub tenancy: TenancyArgs,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,7 +125,8 @@ pub fn render_command(args: &RenderArgs) -> anyhow::Result<RenderReport> {
         app.metadata.namespace.as_deref().unwrap_or("default"),
         app.metadata.name.as_deref().unwrap_or_default()
     );
-    let planned = flotilla_plan::plan(&app, &members);
+    let admission = crate::run::admission(&args.tenancy);
+    let planned = flotilla_plan::plan(&app, &members, &admission);
     if let Some(e) = planned.placement_error {
         return Err(anyhow::Error::new(e).context(object));
     }

@@ -215,9 +215,8 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Option<Dur
             ctx.event(app, EventType::Warning, "RenderFailed", note)
                 .await;
         }
-        if let Some(e) = placement_error {
-            ctx.event(app, EventType::Warning, "InvalidPlacement", e)
-                .await;
+        if let Some((reason, e)) = placement_error {
+            ctx.event(app, EventType::Warning, reason, e).await;
         }
     }
     Ok(None)
@@ -279,7 +278,7 @@ mod tests {
         let (leading_tx, leading) = watch::channel(false);
         let (notices, mut woken) = Notices::new(leading);
         let key = AppKey::new("ns", "a");
-        let errors: PlanErrors = (Some("bad selector".into()), vec![]);
+        let errors: PlanErrors = (Some(("InvalidPlacement", "bad selector".into())), vec![]);
         notices.errors_changed(&key, errors.clone());
         assert!(notices.take_errors(&key).is_none());
         assert!(woken.try_recv().is_err(), "nothing to do on a standby");

@@ -23,6 +23,7 @@ use flotilla_common::http::Gate;
 use flotilla_common::listed::Listed;
 use flotilla_crds::{FederatedMyApp, MemberCluster};
 use flotilla_plan::AppPlan;
+use flotilla_plan::admission::Admission;
 use flotilla_plan::index::{AppKey, Desired};
 use flotilla_plan::planner::{self, Apps, Effects, Trigger, key_of, orphans};
 use futures::{Stream, StreamExt};
@@ -42,8 +43,9 @@ use crate::status::{Planned, StatusBoard};
 /// Triggers taken at once, with one member snapshot.
 const BATCH: usize = 1024;
 
-/// What the planner writes to, and reads from.
+/// What the planner writes to, and reads from, and what it admits.
 pub struct Planner {
+    pub admission: Admission,
     pub dispatcher: Arc<Dispatcher>,
     pub status: Arc<StatusBoard>,
     pub notices: Arc<Notices>,
@@ -84,7 +86,7 @@ impl Planner {
                 tokio::try_join!(wait("FederatedMyApp", inputs.apps_listed.clone()), wait("MemberCluster", inputs.members_listed.clone()))
             } => { r?; }
         }
-        let mut core = planner::Planner::default();
+        let mut core = planner::Planner::new(self.admission.clone());
         inputs.members.borrow_and_update();
         self.plan(&mut core, vec![Trigger::Members]);
         gate.open();

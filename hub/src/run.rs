@@ -14,7 +14,10 @@ use flotilla_common::leader;
 use flotilla_common::listed;
 use flotilla_common::metrics::Metrics;
 use flotilla_common::supervise::Supervisor;
+use flotilla_common::tenancy::TenancyArgs;
 use flotilla_crds::MemberCluster;
+use flotilla_crds::tenancy::NamespacePolicy;
+use flotilla_plan::admission::Admission;
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client};
@@ -67,7 +70,26 @@ pub struct RunArgs {
     #[command(flatten)]
     pub edge: EdgeLimits,
     #[command(flatten)]
+    pub tenancy: TenancyArgs,
+    #[command(flatten)]
     pub leader: leader::LeaderArgs,
+}
+
+impl RunArgs {
+    /// What the planner admits.
+    pub fn admission(&self) -> Admission {
+        admission(&self.tenancy)
+    }
+}
+
+/// What a hub with these flags admits: the system namespaces, its own and the
+/// configured ones are refused.
+pub fn admission(tenancy: &TenancyArgs) -> Admission {
+    let (own, configured) = (&tenancy.flotilla_namespace, &tenancy.forbidden_namespaces);
+    Admission {
+        namespaces: NamespacePolicy::new(own, configured),
+        ..Admission::default()
+    }
 }
 
 /// Every object of kind `K` on the host, into `writer`'s store, retried with backoff;
@@ -192,7 +214,14 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
             _ = stop.cancelled() => Ok(()),
         }
     });
+    let admission = args.admission();
+    let forbidden: Vec<&str> = admission.namespaces.namespaces().map(|(n, _)| n).collect();
+    tracing::info!(
+        ?forbidden,
+        "FederatedMyApps in these namespaces are refused"
+    );
     let planner = Planner {
+        admission,
         dispatcher: dispatcher.clone(),
         status: status.clone(),
         notices,
@@ -272,4 +301,46 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     tasks.run().await?;
     tracing::info!("flotilla-hub stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::cli::{Cli, Command};
+
+    /// `--forbidden-namespace` (repeated or comma-separated) and the hub's own namespace
+    /// reach the planner's admission, beside the system namespaces.
+    #[test]
+    fn the_tenancy_flags_reach_the_admission() {
+        let args = ["flotilla-hub", "run", "--tls-cert", "c", "--tls-key", "k"];
+        let flags = [
+            "--forbidden-namespace",
+            "vault,argocd",
+            "--forbidden-namespace",
+            "ci",
+            "--flotilla-namespace",
+            "ops",
+        ];
+        let cli = Cli::try_parse_from(args.iter().chain(&flags)).unwrap();
+        let Command::Run(run) = cli.command else {
+            panic!("parsed as run")
+        };
+        let admission = run.admission();
+        let refused = |ns: &str| admission.namespaces.check(ns).is_err();
+        for ns in [
+            "vault",
+            "argocd",
+            "ci",
+            "ops",
+            "kube-system",
+            "kube-public",
+            "kube-node-lease",
+        ] {
+            assert!(refused(ns), "{ns}");
+        }
+        for ns in ["default", "flotilla-system", "shop"] {
+            assert!(!refused(ns), "{ns}");
+        }
+    }
 }

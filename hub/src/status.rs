@@ -44,8 +44,9 @@ const KIND: &str = "federatedmyapp";
 /// Status patches in flight at once.
 const CONCURRENCY: usize = 8;
 
-/// What a user must fix in a plan, in words: the app's error, and each cluster's.
-pub type PlanErrors = (Option<String>, Vec<(String, String)>);
+/// What a user must fix in a plan, in words: the app's error (with its reason), and
+/// each cluster's.
+pub type PlanErrors = (Option<(&'static str, String)>, Vec<(String, String)>);
 
 /// One app's plan as the board holds it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -74,7 +75,7 @@ impl Planned {
             .reported()
             .filter_map(|(c, p)| Some((c.clone(), p.error()?)));
         (
-            self.plan.placement_error.as_ref().map(ToString::to_string),
+            (self.plan.placement_error.as_ref()).map(|e| (e.reason(), e.to_string())),
             failed.collect(),
         )
     }

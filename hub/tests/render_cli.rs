@@ -268,3 +268,46 @@ fn catalog_unknown_op_is_refused_before_rendering() {
     );
     assert_eq!(stdout, serde_json::Value::Null, "nothing rendered");
 }
+
+/// The preview refuses what the hub refuses (README, "Tenancy"): a FederatedMyApp in a
+/// system namespace, in Flotilla's own, or in one given with `--forbidden-namespace`.
+#[test]
+fn forbidden_namespaces_are_refused_as_the_hub_refuses_them() {
+    let out = hub(
+        &["render", "-f", SEED, "--forbidden-namespace", "default"],
+        None,
+    );
+    assert!(!out.status.success());
+    assert_eq!(
+        text(&out.stderr),
+        "error: FederatedMyApp default/my-app-sample: namespace default is forbidden: it is listed in --forbidden-namespace\n"
+    );
+    assert!(out.stdout.is_empty());
+    let seed = std::fs::read_to_string(SEED).unwrap();
+    for (namespace, rule) in [
+        (
+            "kube-system",
+            "Kubernetes system namespaces are never placed into",
+        ),
+        (
+            "flotilla-system",
+            "Flotilla's own namespace holds its credentials and is never placed into",
+        ),
+    ] {
+        let app = seed.replace("namespace: default", &format!("namespace: {namespace}"));
+        assert_ne!(app, seed);
+        let out = hub(&["render", "-f", "-"], Some(&app));
+        assert!(!out.status.success());
+        let want = format!(
+            "error: FederatedMyApp {namespace}/my-app-sample: namespace {namespace} is forbidden: {rule}\n"
+        );
+        assert_eq!(text(&out.stderr), want);
+    }
+    // Flotilla's own namespace is whatever it runs in.
+    let app = seed.replace("namespace: default", "namespace: flotilla-system");
+    let out = hub(
+        &["render", "-f", "-", "--flotilla-namespace", "ops"],
+        Some(&app),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}

@@ -4,6 +4,8 @@
 //! hub (`flotilla-hub`) carries the effects: watches, the gRPC service, the writers.
 //!
 //! Modules follow the data flow:
+//! - [`admission`]: what an app must be to be planned at all: a namespace that is not
+//!   forbidden, a template and overrides within size limits;
 //! - [`placement`]: which registered clusters an app goes to, and what planning reads of
 //!   a MemberCluster ([`placement::Member`]);
 //! - [`schedule`]: how many replicas each placed cluster runs, as named steps
@@ -21,6 +23,7 @@
 //! - [`status`]: the fold of a plan and agents' reports into `FederatedMyApp.status`.
 #![warn(clippy::too_many_lines)]
 
+pub mod admission;
 pub mod index;
 pub mod overrides;
 pub mod placement;

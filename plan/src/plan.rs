@@ -16,6 +16,7 @@ use flotilla_crds::federated::SchedulingReason;
 
 use serde_json::Value;
 
+use crate::admission::{Admission, Refusal};
 use crate::index::Desired;
 use crate::overrides::{self, Located};
 use crate::placement::{self, Decision, Members, SelectorError};
@@ -89,9 +90,21 @@ impl ClusterPlan {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AppError {
     #[error(transparent)]
+    Refused(#[from] Refusal),
+    #[error(transparent)]
     Placement(#[from] SelectorError),
     #[error(transparent)]
     Schedule(#[from] ScheduleError),
+}
+
+impl AppError {
+    /// The reason of the status condition and the Event that report it.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            AppError::Refused(r) => r.reason(),
+            AppError::Placement(_) | AppError::Schedule(_) => "InvalidPlacement",
+        }
+    }
 }
 
 /// What the hub decided for one app at one generation.
@@ -129,12 +142,12 @@ impl AppPlan {
     }
 }
 
-/// Places, schedules and renders one FederatedMyApp. The app fails as a whole only when
-/// the placement or the division is invalid; each cluster's failure is that cluster's
-/// alone.
-pub fn plan(app: &FederatedMyApp, members: &Members) -> AppPlan {
+/// Admits, places, schedules and renders one FederatedMyApp. The app fails as a whole
+/// only when `admission` refuses it or the placement or the division is invalid; each
+/// cluster's failure is that cluster's alone.
+pub fn plan(app: &FederatedMyApp, members: &Members, admission: &Admission) -> AppPlan {
     let generation = app.metadata.generation;
-    match place_and_schedule(app, members) {
+    match place_and_schedule(app, members, admission) {
         Ok((decision, schedule)) => placed(app, decision, schedule, generation),
         Err(e) => AppPlan {
             generation,
@@ -151,7 +164,9 @@ pub fn plan(app: &FederatedMyApp, members: &Members) -> AppPlan {
 fn place_and_schedule(
     app: &FederatedMyApp,
     members: &Members,
+    admission: &Admission,
 ) -> Result<(Decision, Schedule), AppError> {
+    admission.admit(app)?;
     let decision = placement::place(&app.spec.placement, members)?;
     let inputs = schedule::Inputs::for_app(app, &decision.clusters, members)?;
     let schedule = schedule::schedule(&inputs)?;
@@ -333,7 +348,7 @@ mod tests {
 
     /// The plan, or the app's error when it has one.
     fn render(app: &FederatedMyApp, members: &Members) -> Result<AppPlan, AppError> {
-        let planned = plan(app, members);
+        let planned = plan(app, members, &Admission::default());
         match planned.placement_error {
             Some(e) => Err(e),
             None => Ok(planned),
@@ -687,6 +702,91 @@ mod tests {
         assert_eq!(e.field, "spec.placement.replicaScheduling.totalReplicas");
     }
 
+    fn in_namespace(namespace: &str) -> FederatedMyApp {
+        let mut a = app(SEED);
+        a.metadata.namespace = Some(namespace.into());
+        a
+    }
+
+    /// An app in a forbidden namespace is planned nowhere: no cluster is sent a MyApp,
+    /// and status names the namespace and the rule.
+    #[test]
+    fn an_app_in_a_forbidden_namespace_reaches_no_cluster() {
+        let clusters = members(&["cluster1", "cluster2", "cluster3"]);
+        for namespace in [
+            "kube-system",
+            "kube-public",
+            "kube-node-lease",
+            "flotilla-system",
+        ] {
+            let p = plan(&in_namespace(namespace), &clusters, &Admission::default());
+            let e = p.placement_error.as_ref().expect("refused");
+            assert_eq!(e.reason(), "NamespaceForbidden");
+            assert!(
+                e.to_string()
+                    .starts_with(&format!("namespace {namespace} is forbidden"))
+            );
+            assert!(p.clusters.values().all(|c| c.rendered().is_none()), "{p:?}");
+            assert_eq!(p.reported().count(), 0);
+        }
+    }
+
+    /// A policy that newly forbids an app's namespace must not delete what its clusters
+    /// run (refusing to place is never a reason to delete): every cluster keeps its copy,
+    /// and nothing is pushed.
+    #[test]
+    fn a_newly_forbidden_namespace_keeps_what_members_run() {
+        let clusters = members(&["cluster1", "cluster2"]);
+        let key = crate::AppKey::new("default", "my-app-sample");
+        let mut index = crate::index::Index::default();
+        let allowed = plan(&app(SEED), &clusters, &Admission::default());
+        assert_eq!(index.set_app(&key, Some(1), allowed.desired()).len(), 2);
+        let strict = Admission {
+            namespaces: flotilla_crds::tenancy::NamespacePolicy::new(
+                "flotilla-system",
+                ["default"],
+            ),
+            ..Admission::default()
+        };
+        let refused = plan(&app(SEED), &clusters, &strict);
+        assert!(refused.placement_error.is_some());
+        assert_eq!(refused.desired().len(), 2, "every cluster is kept");
+        assert!(refused.desired().values().all(|d| *d == Desired::Keep));
+        assert!(index.set_app(&key, Some(1), refused.desired()).is_empty());
+    }
+
+    /// Overrides cannot move a MyApp into another namespace: the namespace is the app's.
+    #[test]
+    fn an_override_cannot_change_the_namespace_or_name() {
+        for path in ["/metadata/namespace", "/metadata/name", "/metadata"] {
+            let a = with_overrides(&format!(
+                "  - clusterName: c2\n    clusterOverrides:\n    - {{op: add, path: {path}, value: kube-system}}\n"
+            ));
+            let r = render(&a, &members(&["c1", "c2"])).unwrap();
+            let RenderError::Override(e) = err(&r, "c2") else {
+                panic!("{path}: {:?}", err(&r, "c2"))
+            };
+            assert!(e.reason.starts_with("path must be within"), "{path}: {e}");
+            assert_eq!(ok(&r, "c1")["metadata"]["namespace"], "prod");
+        }
+    }
+
+    /// Size limits refuse the app as a whole, naming the field and the limit.
+    #[test]
+    fn an_app_over_a_size_limit_is_planned_nowhere() {
+        let mut a = app(SEED);
+        a.spec.template.spec.config = [("big".to_owned(), "x".repeat(300 * 1024))].into();
+        let p = plan(
+            &a,
+            &members(&["cluster1", "cluster2"]),
+            &Admission::default(),
+        );
+        let e = p.placement_error.expect("refused");
+        assert_eq!(e.reason(), "TooLarge");
+        assert!(e.to_string().starts_with("spec.template is "), "{e}");
+        assert!(p.clusters.values().all(|c| c.rendered().is_none()));
+    }
+
     #[test]
     fn a_failed_over_cluster_is_left_as_it_is() {
         let mut a = weighted("");
@@ -755,7 +855,7 @@ mod tests {
                      overrides:\n  - clusterName: c2\n    clusterOverrides: [{path: /spec/replicas, value: 99}]\n",
         );
         let members = members(&["c1", "c2"]);
-        let p = plan(&a, &members);
+        let p = plan(&a, &members, &Admission::default());
         let desired = p.desired();
         assert_eq!(p.generation, Some(3));
         assert!(matches!(desired["c1"], Desired::Apply(_)));
@@ -776,7 +876,7 @@ mod tests {
                      spec:\n  placement: {clusters: [{name: c1}, {name: c2}, {name: c3}]}\n  template: {spec: {replicas: 2}}\n  \
                      overrides:\n  - clusterName: c3\n    clusterOverrides: [{path: /spec/replicas, value: 3}]\n",
         );
-        let p = plan(&a, &members(&["c1", "c2", "c3"]));
+        let p = plan(&a, &members(&["c1", "c2", "c3"]), &Admission::default());
         let rendered = |c: &str| match &p.desired()[c] {
             Desired::Apply(r) => r.clone(),
             other => panic!("{c}: {other:?}"),
@@ -848,7 +948,7 @@ mod tests {
             "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: a}\n\
                      spec:\n  placement: {clusterSelector: {matchExpressions: [{key: k, operator: Bogus}]}}\n",
         );
-        let p = plan(&a, &members(&["c1"]));
+        let p = plan(&a, &members(&["c1"]), &Admission::default());
         assert!(
             p.placement_error
                 .as_ref()
@@ -987,8 +1087,10 @@ mod tests {
         /// The planner as it was before classes: one render per cluster, the replicas a
         /// Duplicated cluster asks for read back from its JSON.
         fn plan_per_cluster(app: &FederatedMyApp, members: &Members) -> AppPlan {
-            let Ok((decision, mut schedule)) = place_and_schedule(app, members) else {
-                return plan(app, members);
+            let Ok((decision, mut schedule)) =
+                place_and_schedule(app, members, &Admission::default())
+            else {
+                return plan(app, members, &Admission::default());
             };
             let template = Template::of(app);
             let mut distinct: HashMap<String, Arc<RenderedMyApp>> = HashMap::new();
@@ -1203,7 +1305,7 @@ mod tests {
             /// culprit fields), and clusters with the same bytes share one copy.
             #[test]
             fn grouped_render_equals_render_per_cluster((app, members) in grouped_case()) {
-                let grouped = plan(&app, &members);
+                let grouped = plan(&app, &members, &Admission::default());
                 let alone = plan_per_cluster(&app, &members);
                 prop_assert_eq!(&grouped, &alone);
                 let applied: Vec<&Arc<RenderedMyApp>> = grouped.clusters.values().filter_map(ClusterPlan::rendered).collect();

@@ -30,6 +30,7 @@ use flotilla_crds::federated::{ORPHAN_ANNOTATION, SchedulingMode};
 use flotilla_crds::member::ClusterCapacity;
 use kube::ResourceExt;
 
+use crate::admission::Admission;
 use crate::index::{AppKey, Desired};
 use crate::placement::{Labels, Members};
 use crate::plan::{AppPlan, plan};
@@ -166,14 +167,23 @@ impl Rechecks {
 }
 
 /// The planner's state: what the clusters were when every app was last planned, and
-/// when each app wants another look.
+/// when each app wants another look; and what it admits.
 #[derive(Debug, Default)]
 pub struct Planner {
+    admission: Admission,
     planned_for: Option<PlannedFor>,
     rechecks: Rechecks,
 }
 
 impl Planner {
+    /// A planner that plans only the apps `admission` admits.
+    pub fn new(admission: Admission) -> Self {
+        Self {
+            admission,
+            ..Self::default()
+        }
+    }
+
     /// Plans what `trigger` may have changed, with the apps and the registered clusters
     /// as they are now. Whatever the trigger, clusters of another shape than every app
     /// was planned for are planned for first (every app), so that no plan uses clusters
@@ -271,7 +281,7 @@ impl Planner {
         fx: &mut impl Effects,
     ) {
         let key = key_of(app);
-        let plan = plan(app, members);
+        let plan = plan(app, members, &self.admission);
         let recheck = if app.metadata.deletion_timestamp.is_some() {
             // Every registered cluster the spec places it on must confirm, even one this
             // hub never saw hold it (after a restart, say).

@@ -19,7 +19,7 @@ use flotilla_crds::federated::{ClusterStatus, FULL_LIST_MAX, FederatedMyAppStatu
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use crate::index::Held;
-use crate::plan::{AppPlan, ClusterPlan, FAILED_OVER, KeepReason};
+use crate::plan::{AppError, AppPlan, ClusterPlan, FAILED_OVER, KeepReason};
 use crate::schedule;
 
 /// A cluster's message in a bounded status is cut to this many bytes.
@@ -184,7 +184,16 @@ fn fold(
         condition::new(type_, ok, reason, message, plan.generation, now)
     };
     let propagated = propagated(inputs, &tally, limits.condition_message, cond);
-    let ready = ready(&tally, limits.condition_message, cond);
+    let ready = match &plan.placement_error {
+        // Not planned at all: "the placement selects no cluster" would blame the wrong field.
+        Some(e @ AppError::Refused(_)) => cond(
+            "Ready",
+            false,
+            e.reason(),
+            cut(e.to_string(), limits.condition_message),
+        ),
+        _ => ready(&tally, limits.condition_message, cond),
+    };
     let unplannable = plan.placement_error.is_some() && inputs.deleting_on.is_none();
     let [reconciling, stalled] = progress(&tally, unplannable, &propagated, &ready, cond);
     let before: &[Condition] = previous.map_or(&[], |p| &p.conditions);
@@ -337,12 +346,7 @@ fn propagated(
             let message = format!("waiting for {names} to confirm deletion");
             cond("Propagated", false, "Deleting", message)
         }
-        (Some(e), _) => cond(
-            "Propagated",
-            false,
-            "InvalidPlacement",
-            cut(e.to_string(), max),
-        ),
+        (Some(e), _) => cond("Propagated", false, e.reason(), cut(e.to_string(), max)),
         (None, None) => {
             let mut behind: Vec<&(String, Reason, String)> = tally.not_propagated.iter().collect();
             behind.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
@@ -514,8 +518,9 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
+    use crate::admission::Refusal;
     use crate::placement::SelectorError;
-    use crate::plan::AppError;
+    use flotilla_crds::tenancy::{Forbidden, Rule};
 
     use bytes::Bytes;
     use k8s_openapi::jiff::Timestamp;
@@ -757,6 +762,34 @@ mod tests {
         }));
         let s = run(&p, &[], &[]);
         assert_eq!(cond(&s, "Propagated").reason, "InvalidPlacement");
+    }
+
+    #[test]
+    fn a_refused_app_names_the_rule_in_both_conditions() {
+        let mut p = plan(&[]);
+        p.placement_error = Some(AppError::Refused(Refusal::NamespaceForbidden(Forbidden {
+            namespace: "kube-system".into(),
+            rule: Rule::System,
+        })));
+        let s = run(&p, &[], &[]);
+        for type_ in ["Propagated", "Ready"] {
+            let c = cond(&s, type_);
+            assert_eq!(
+                (c.status.as_str(), c.reason.as_str()),
+                ("False", "NamespaceForbidden")
+            );
+            assert_eq!(
+                c.message,
+                "namespace kube-system is forbidden: Kubernetes system namespaces are never placed into"
+            );
+        }
+        let stalled = cond(&s, "Stalled");
+        assert_eq!(
+            (stalled.status.as_str(), stalled.reason.as_str()),
+            ("True", "NamespaceForbidden"),
+            "nothing moves until the app or the rule changes"
+        );
+        assert!(s.clusters.is_empty());
     }
 
     #[test]

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flotilla_crds::FederatedMyApp;
+use flotilla_plan::admission::Admission;
 use flotilla_plan::index::{AppKey, Change, Desired, Held, Index, Push};
 use flotilla_plan::placement::{Member, Members};
 use flotilla_plan::planner::{Apps, Effects, Planner, Trigger};
@@ -181,7 +182,7 @@ impl Host {
     fn wants(&self, cluster: &str, key: &AppKey, now: Instant) -> bool {
         self.apps.get(key).is_some_and(|(app, object)| {
             !app.deleting
-                && plan(object, &self.members(now))
+                && plan(object, &self.members(now), &Admission::default())
                     .desired()
                     .contains_key(cluster)
         })
@@ -640,7 +641,7 @@ impl Model {
         let mut want: BTreeMap<String, BTreeMap<AppKey, Desired>> = BTreeMap::new();
         for (key, (app, object)) in &self.host.apps {
             prop_assert!(!app.deleting, "{key} still being deleted");
-            for (c, d) in plan(object, &members).desired() {
+            for (c, d) in plan(object, &members, &Admission::default()).desired() {
                 want.entry(c).or_default().insert(key.clone(), d);
             }
         }

@@ -86,6 +86,17 @@ fn child_meta(app: &MyApp, name: String) -> Result<ObjectMeta, BuildError> {
     })
 }
 
+/// Whether `child` is this MyApp's: its controller owner reference names the MyApp's
+/// UID. The operator writes only such children (and creates new ones); anything else of
+/// the same name is someone else's.
+pub fn controlled_by<K: Resource>(child: &K, app: &MyApp) -> bool {
+    let uid = app.metadata.uid.as_deref();
+    let owners = child.meta().owner_references.as_deref().unwrap_or_default();
+    owners
+        .iter()
+        .any(|o| o.controller == Some(true) && Some(o.uid.as_str()) == uid)
+}
+
 fn names(app: &MyApp) -> Result<(&str, &str), BuildError> {
     match (
         app.metadata.name.as_deref(),
@@ -276,6 +287,31 @@ mod tests {
             assert_eq!(owner.controller, Some(true));
             assert_eq!(meta.labels.unwrap()[MANAGED_BY_LABEL], CHILD_MANAGED_BY);
         }
+    }
+
+    /// Only a controller reference to this very MyApp (by UID) makes a child ours: a
+    /// same-named object with no owner, another owner, a non-controller reference, or a
+    /// reference to an earlier MyApp of the same name is someone else's.
+    #[test]
+    fn a_child_is_ours_only_through_a_controller_reference_to_the_apps_uid() {
+        let app = app(spec(Some("nginx:1.27")));
+        let ours = config_map(&app).unwrap();
+        assert!(controlled_by(&ours, &app));
+        let with_owner = |uid: &str, controller: Option<bool>| {
+            let mut cm = ours.clone();
+            let owner = &mut cm.metadata.owner_references.as_mut().unwrap()[0];
+            (owner.uid, owner.controller) = (uid.into(), controller);
+            cm
+        };
+        assert!(!controlled_by(&with_owner("another-uid", Some(true)), &app));
+        assert!(!controlled_by(&with_owner("0b5e-uid", Some(false)), &app));
+        assert!(!controlled_by(&with_owner("0b5e-uid", None), &app));
+        let mut foreign = ours.clone();
+        foreign.metadata.owner_references = None;
+        assert!(!controlled_by(&foreign, &app));
+        let mut no_uid = app.clone();
+        no_uid.metadata.uid = None;
+        assert!(!controlled_by(&with_owner("", Some(true)), &no_uid));
     }
 
     #[test]

@@ -7,7 +7,9 @@
 //!   back at once.
 //! - Every successful reconcile is repeated after the resync period.
 //! - Children are written by server-side apply with the field manager
-//!   [`FIELD_MANAGER`], forcing ownership of the fields the operator sets.
+//!   [`FIELD_MANAGER`], forcing ownership of the fields the operator sets. Only the
+//!   MyApp's own children are written: an object of a child's name that the MyApp does
+//!   not control is never adopted ([`status::Problem::NotOwned`]).
 //! - Errors are per object: one failing MyApp is retried on its own and never holds up
 //!   the others.
 
@@ -241,6 +243,9 @@ enum Settled {
     /// The apiserver rejects a child built from the spec: counted as a reconcile error
     /// and retried, so that the error-rate alert sees a MyApp stuck this way.
     Rejected,
+    /// A child's name is taken by an object this MyApp does not control: counted as a
+    /// reconcile error and looked at again soon (nothing watches that object for us).
+    NotOwned,
     /// Deleted meanwhile.
     Gone,
 }
@@ -287,6 +292,7 @@ async fn reconcile(app: Arc<MyApp>, ctx: Arc<Context>) -> Result<Action, Error> 
     let result = reconcile_app(&app, &ctx).await;
     match &result {
         Ok(Settled::Rejected) => timer.failed("invalid_spec"),
+        Ok(Settled::NotOwned) => timer.failed("not_owned"),
         Ok(_) => timer.succeeded(),
         Err(e) => timer.failed(e.kind()),
     }
@@ -302,7 +308,7 @@ async fn reconcile(app: Arc<MyApp>, ctx: Arc<Context>) -> Result<Action, Error> 
     }
     let after = match result? {
         Settled::Synced => ctx.resync,
-        Settled::Rejected => RETRY,
+        Settled::Rejected | Settled::NotOwned => RETRY,
         Settled::Gone => return Ok(Action::await_change()),
     };
     ctx.metrics.queue(CONTROLLER).requeued(key, after);
@@ -329,11 +335,12 @@ async fn reconcile_app(app: &MyApp, ctx: &Context) -> Result<Settled, Error> {
     let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &namespace);
 
     // The ConfigMap goes first, so that pods of a new checksum mount the config it names.
-    let mut problem = match apply(&config_maps, &config_map).await {
-        Ok((_, change)) => {
+    let mut problem = match apply(&config_maps, &config_map, app).await {
+        Ok(Some((_, change))) => {
             ctx.announce(app, "ConfigMap", &config_map, change).await;
             None
         }
+        Ok(None) => Some(not_owned("ConfigMap", &config_map)),
         Err(e) => rejected(e).map_err(|source| Error::Apply {
             kind: "ConfigMap",
             name: name(&config_map),
@@ -341,10 +348,14 @@ async fn reconcile_app(app: &MyApp, ctx: &Context) -> Result<Settled, Error> {
         })?,
     };
     let current = match (deployment, &problem) {
-        (Some(deployment), None) => match apply(&deployments, &deployment).await {
-            Ok((applied, change)) => {
+        (Some(deployment), None) => match apply(&deployments, &deployment, app).await {
+            Ok(Some((applied, change))) => {
                 ctx.announce(app, "Deployment", &deployment, change).await;
                 Some(applied)
+            }
+            Ok(None) => {
+                problem = Some(not_owned("Deployment", &deployment));
+                None
             }
             Err(e) => {
                 problem = rejected(e).map_err(|source| Error::Apply {
@@ -361,19 +372,21 @@ async fn reconcile_app(app: &MyApp, ctx: &Context) -> Result<Settled, Error> {
         }
         (Some(_), Some(_)) => None,
     };
-    // With a problem, an existing Deployment is left untouched, and still reported.
+    // With a problem, an existing Deployment of this MyApp is left untouched, and still
+    // reported; someone else's says nothing about this MyApp.
     let current = match current {
         Some(d) => Some(d),
         None => {
             let name = children::deployment_name(&app.name_any());
-            deployments
+            let existing = deployments
                 .get_opt(&name)
                 .await
                 .map_err(|source| Error::Read {
                     kind: "Deployment",
                     name,
                     source,
-                })?
+                })?;
+            existing.filter(|d| children::controlled_by(d, app))
         }
     };
     if let Some(p) = &problem {
@@ -407,6 +420,7 @@ async fn reconcile_app(app: &MyApp, ctx: &Context) -> Result<Settled, Error> {
     }
     Ok(match problem {
         Some(Problem::InvalidSpec(_)) => Settled::Rejected,
+        Some(Problem::NotOwned { .. }) => Settled::NotOwned,
         Some(Problem::ImageMissing) | None => Settled::Synced,
     })
 }
@@ -419,9 +433,15 @@ enum Written {
     Unchanged,
 }
 
-/// Server-side applies `object`, telling whether it was created or its spec changed:
-/// the generation where the type has one, else the resource version.
-async fn apply<K>(api: &Api<K>, object: &K) -> Result<(K, Written), kube::Error>
+/// Server-side applies `object`, a child of `app`, telling whether it was created or its
+/// spec changed: the generation where the type has one, else the resource version.
+/// `None`: an object of that name exists that `app` does not control, and is left as
+/// it is (a forced apply would adopt it).
+async fn apply<K>(
+    api: &Api<K>,
+    object: &K,
+    app: &MyApp,
+) -> Result<Option<(K, Written)>, kube::Error>
 where
     K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
 {
@@ -433,6 +453,12 @@ where
             .or_else(|| o.meta().resource_version.clone())
     };
     let before = api.get_opt(&name).await?;
+    if before
+        .as_ref()
+        .is_some_and(|b| !children::controlled_by(b, app))
+    {
+        return Ok(None);
+    }
     let params = PatchParams::apply(FIELD_MANAGER).force();
     let after = api.patch(&name, &params, &Patch::Apply(object)).await?;
     let change = match before {
@@ -440,7 +466,14 @@ where
         Some(b) if version(&b) != version(&after) => Written::Updated,
         Some(_) => Written::Unchanged,
     };
-    Ok((after, change))
+    Ok(Some((after, change)))
+}
+
+fn not_owned<K: Resource>(kind: &'static str, child: &K) -> Problem {
+    Problem::NotOwned {
+        kind,
+        name: name(child),
+    }
 }
 
 /// A rejection of the object itself (4xx other than conflicts and throttling) is the

@@ -26,6 +26,11 @@ pub enum Problem {
     /// label, `maxSurge` and `maxUnavailable` both 0). Counted as a reconcile error and
     /// retried every few seconds until the apiserver accepts it.
     InvalidSpec(String),
+    /// A ConfigMap or Deployment of the child's name exists that this MyApp does not
+    /// control (no controller owner reference to its UID): it is someone else's, and
+    /// is left untouched, never adopted (adopting it would also let the garbage
+    /// collector delete it with the MyApp).
+    NotOwned { kind: &'static str, name: String },
 }
 
 impl Problem {
@@ -33,6 +38,7 @@ impl Problem {
         match self {
             Problem::ImageMissing => "ImageMissing",
             Problem::InvalidSpec(_) => "InvalidSpec",
+            Problem::NotOwned { .. } => "NotOwned",
         }
     }
 
@@ -43,6 +49,9 @@ impl Problem {
                     .into()
             }
             Problem::InvalidSpec(why) => format!("the apiserver rejected a child object: {why}"),
+            Problem::NotOwned { kind, name } => format!(
+                "{kind} {name} exists and is not controlled by this MyApp: it is left untouched; delete or rename it, or rename the MyApp"
+            ),
         }
     }
 }

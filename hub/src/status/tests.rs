@@ -108,6 +108,30 @@ fn plan_error_changes_are_detected_for_events() {
     assert!(!board.set_plan(&key, plan(&[("c1", ClusterPlan::Unknown)])));
 }
 
+/// An app refused as a whole is announced (for its Event) with the refusal's own reason,
+/// not as an invalid placement.
+#[test]
+fn a_refused_app_is_announced_with_its_reason() {
+    use flotilla_crds::tenancy::{Forbidden, Rule};
+    use flotilla_plan::admission::Refusal;
+    use flotilla_plan::plan::AppError;
+
+    let mut refused = plan(&[("c1", ClusterPlan::Keep(KeepReason::Unplanned))]);
+    let forbidden = Forbidden {
+        namespace: "kube-system".into(),
+        rule: Rule::System,
+    };
+    refused.plan.placement_error = Some(AppError::Refused(Refusal::NamespaceForbidden(forbidden)));
+    let message =
+        "namespace kube-system is forbidden: Kubernetes system namespaces are never placed into";
+    assert_eq!(
+        refused.errors(),
+        (Some(("NamespaceForbidden", message.to_owned())), vec![])
+    );
+    let board = StatusBoard::default();
+    assert!(board.set_plan(&AppKey::new("kube-system", "a"), refused));
+}
+
 /// A cluster kept only because the app could not be planned is not one its status
 /// reports on, so changes of that cluster do not touch the app.
 #[test]
