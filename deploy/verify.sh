@@ -114,7 +114,7 @@ declare -A VALUES=(
   [hub]=""
   [hub-nodeport-monitoring]="--set hub.service.type=NodePort --set hub.service.nodePort=30743 --set monitoring.enabled=true --set monitoring.labels.release=kube-prometheus-stack"
   [hub-without-election]="--set hub.replicas=1 --set hub.leaderElection.enabled=false --set hub.service.type=LoadBalancer"
-  [member]="--set hub.enabled=false --set agent.enabled=true --set agent.cluster=paris --set agent.hub.address=hub.example.com:7443 --set monitoring.enabled=true"
+  [member]="--set hub.enabled=false --set agent.enabled=true --set agent.cluster=paris --set agent.hub.address=hub.example.com:7443 --set monitoring.enabled=true --set agent.allowedNamespaces={shop,team}"
   [member-with-secret]="--set hub.enabled=false --set agent.enabled=true --set agent.cluster=paris --set agent.hub.address=10.0.0.1:30743 --set agent.hub.serverName=flotilla-hub.flotilla-system.svc --set agent.hub.token=paris.x --set agent.hub.caCrt=pem"
   [operator]="--set hub.enabled=false --set agent.enabled=true --set agent.mode=operator"
   [host-and-member]="--set agent.enabled=true --set agent.cluster=host --set agent.hub.address=flotilla-hub.flotilla-system.svc:7443 --set monitoring.enabled=true --set tenancy.forbiddenNamespaces={vault,argocd}"

@@ -94,11 +94,27 @@ pub struct RunArgs {
     pub apply_concurrency: u16,
     #[command(flatten)]
     pub tenancy: TenancyArgs,
+    /// Apply MyApps only into these namespaces (repeat or comma-separate), whatever the
+    /// hub sends; the forbidden ones stay forbidden. Without it, every namespace that is
+    /// not forbidden.
+    #[arg(
+        long = "allowed-namespace",
+        value_delimiter = ',',
+        env = "FLOTILLA_ALLOWED_NAMESPACES"
+    )]
+    pub allowed_namespaces: Vec<String>,
     #[command(flatten)]
     pub operator: OperatorArgs,
 }
 
 impl RunArgs {
+    /// The namespaces MyApps are never applied into, and those they may be.
+    fn namespace_policy(&self) -> NamespacePolicy {
+        let tenancy = &self.tenancy;
+        NamespacePolicy::new(&tenancy.flotilla_namespace, &tenancy.forbidden_namespaces)
+            .allowing_only(&self.allowed_namespaces)
+    }
+
     fn session_config(&self) -> anyhow::Result<SessionConfig> {
         let read =
             |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
@@ -121,10 +137,7 @@ impl RunArgs {
             max_collect_share: self.max_collect_share,
             capacity_interval: Some(self.capacity_interval).filter(|i| !i.is_zero()),
             concurrency: self.apply_concurrency.into(),
-            guard: Guard::new(NamespacePolicy::new(
-                &self.tenancy.flotilla_namespace,
-                &self.tenancy.forbidden_namespaces,
-            )),
+            guard: Guard::new(self.namespace_policy()),
         })
     }
 }
@@ -305,6 +318,36 @@ mod tests {
         assert!(
             Cli::try_parse_from(["flotilla-agent", "operator", "--webhook-cert", "c.pem"]).is_err()
         );
+    }
+
+    /// The tenancy flags reach the agent's namespace policy: the forbidden namespaces,
+    /// its own, and its allow-list.
+    #[test]
+    fn the_tenancy_flags_reach_the_namespace_policy() {
+        let cli = Cli::try_parse_from([
+            "flotilla-agent",
+            "run",
+            "--hub=https://h:1",
+            "--cluster=c",
+            "--token-file=t",
+            "--hub-ca-file=ca",
+            "--forbidden-namespace=vault",
+            "--flotilla-namespace=ops",
+            "--allowed-namespace=shop,team",
+            "--allowed-namespace=vault",
+        ])
+        .unwrap();
+        let Command::Run(args) = cli.command else {
+            panic!("parsed as run")
+        };
+        let rule = |ns: &str| args.namespace_policy().check(ns).err().map(|f| f.rule);
+        use flotilla_crds::tenancy::Rule;
+        assert_eq!(rule("shop"), None);
+        assert_eq!(rule("team"), None);
+        assert_eq!(rule("vault"), Some(Rule::Configured));
+        assert_eq!(rule("ops"), Some(Rule::Flotilla));
+        assert_eq!(rule("kube-system"), Some(Rule::System));
+        assert_eq!(rule("default"), Some(Rule::NotAllowed));
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! `env.valueFrom.secretKeyRef`: N = Flotilla's own namespace would hand out the
 //! member's hub credential, N = `kube-system` the cluster.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 /// The namespaces Kubernetes itself keeps: never a tenant's.
@@ -26,6 +26,8 @@ pub enum Rule {
     Flotilla,
     /// Named by `--forbidden-namespace`.
     Configured,
+    /// Not named by the agent's `--allowed-namespace`, when it has one.
+    NotAllowed,
 }
 
 impl Rule {
@@ -37,6 +39,7 @@ impl Rule {
                 "Flotilla's own namespace holds its credentials and is never placed into"
             }
             Rule::Configured => "it is listed in --forbidden-namespace",
+            Rule::NotAllowed => "it is not listed in --allowed-namespace",
         }
     }
 
@@ -46,6 +49,7 @@ impl Rule {
             Rule::System => "system",
             Rule::Flotilla => "flotilla",
             Rule::Configured => "configured",
+            Rule::NotAllowed => "not_allowed",
         }
     }
 }
@@ -70,10 +74,13 @@ impl fmt::Display for Forbidden {
 
 impl std::error::Error for Forbidden {}
 
-/// The forbidden namespaces: the system ones, Flotilla's own, and a configured list.
+/// The forbidden namespaces: the system ones, Flotilla's own, and a configured list;
+/// and, when set, the only namespaces allowed (an agent's own list: what its member's
+/// admin lets any hub place into, whatever the hub was told).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NamespacePolicy {
     forbidden: BTreeMap<String, Rule>,
+    allowed: Option<BTreeSet<String>>,
 }
 
 impl Default for NamespacePolicy {
@@ -96,18 +103,38 @@ impl NamespacePolicy {
         for name in SYSTEM_NAMESPACES {
             forbidden.insert(name.to_owned(), Rule::System);
         }
-        Self { forbidden }
+        Self {
+            forbidden,
+            allowed: None,
+        }
+    }
+
+    /// Allows only `namespaces` (the forbidden ones stay forbidden); none named: every
+    /// namespace that is not forbidden.
+    pub fn allowing_only<S: AsRef<str>>(self, namespaces: impl IntoIterator<Item = S>) -> Self {
+        let named: BTreeSet<String> = namespaces
+            .into_iter()
+            .map(|n| n.as_ref().trim().to_owned())
+            .filter(|n| !n.is_empty())
+            .collect();
+        Self {
+            allowed: (!named.is_empty()).then_some(named),
+            ..self
+        }
     }
 
     /// Why `namespace` is refused, if it is.
     pub fn check(&self, namespace: &str) -> Result<(), Forbidden> {
-        match self.forbidden.get(namespace) {
-            None => Ok(()),
-            Some(rule) => Err(Forbidden {
-                namespace: namespace.to_owned(),
-                rule: *rule,
-            }),
-        }
+        let not_allowed = |allowed: &BTreeSet<String>| !allowed.contains(namespace);
+        let rule = match self.forbidden.get(namespace) {
+            Some(rule) => *rule,
+            None if self.allowed.as_ref().is_some_and(not_allowed) => Rule::NotAllowed,
+            None => return Ok(()),
+        };
+        Err(Forbidden {
+            namespace: namespace.to_owned(),
+            rule,
+        })
     }
 
     /// Every forbidden namespace, in name order.
@@ -150,6 +177,20 @@ mod tests {
             refused.to_string(),
             "namespace flotilla-system is forbidden: Flotilla's own namespace holds its credentials and is never placed into"
         );
+    }
+
+    #[test]
+    fn an_allow_list_refuses_the_rest_and_never_allows_a_forbidden_namespace() {
+        let policy = NamespacePolicy::default().allowing_only(["shop", " kube-system", ""]);
+        assert!(policy.check("shop").is_ok());
+        assert_eq!(policy.check("default").unwrap_err().rule, Rule::NotAllowed);
+        assert_eq!(policy.check("kube-system").unwrap_err().rule, Rule::System);
+        assert_eq!(
+            policy.check("team").unwrap_err().to_string(),
+            "namespace team is forbidden: it is not listed in --allowed-namespace"
+        );
+        let open = NamespacePolicy::default().allowing_only(["", " "]);
+        assert_eq!(open, NamespacePolicy::default(), "an empty list allows all");
     }
 
     #[test]

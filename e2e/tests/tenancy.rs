@@ -246,9 +246,10 @@ fn rogue_apply(namespace: &str, name: &str) -> pb::HubMessage {
     }
 }
 
-/// A hub that sends MyApps into `kube-system`, `kube-public` and `flotilla-system` gets
-/// each refused: the agent reports the refusal for that MyApp, logs it, counts it by
-/// rule, and the member holds none of them.
+/// A hub that sends MyApps into `kube-system`, `kube-public` and `flotilla-system`, and
+/// into `default` to an agent that allows only a namespace of its own, gets each
+/// refused: the agent reports the refusal for that MyApp, logs it, counts it by rule,
+/// and the member holds none of them.
 #[tokio::test]
 async fn an_agent_refuses_forbidden_myapps_a_hub_sends() -> Result<()> {
     let _one = ONE_AT_A_TIME.lock().await;
@@ -261,10 +262,12 @@ async fn an_agent_refuses_forbidden_myapps_a_hub_sends() -> Result<()> {
     let client = env.client(&member).await?;
     let log = DeletionLog::start(&env).await?;
     let name = "tenancy-rogue";
+    // The agent allows only a namespace of its own: `default` is refused too.
     let forbidden = [
         ("kube-system", "system"),
         ("kube-public", "system"),
         ("flotilla-system", "flotilla"),
+        ("default", "not_allowed"),
     ];
 
     let tls = flotilla_common::tls::self_signed(
@@ -316,6 +319,7 @@ async fn an_agent_refuses_forbidden_myapps_a_hub_sends() -> Result<()> {
         .arg(format!("--hub-ca-file={}", ca.display()))
         .args(["--capacity-interval", "0s", "--heartbeat", "1s"])
         .args(["--namespace", "tenancy-e2e-operator"])
+        .args(["--allowed-namespace", "tenancy-e2e-operator"])
         .arg(format!("--http-addr={http}"))
         .arg(format!("--webhook-addr={webhook}"));
     let agent = env.spawn("tenancy-rogue-agent", &mut cmd)?;
@@ -349,7 +353,7 @@ async fn an_agent_refuses_forbidden_myapps_a_hub_sends() -> Result<()> {
         outcome.with_context(|| format!("refusals reported: {refused:?} of {want:?}"))??;
         let (code, metrics) = http_get(&http, "/metrics").await?;
         ensure!(code == 200, "/metrics answered {code}");
-        for rule in ["system", "flotilla"] {
+        for rule in ["system", "flotilla", "not_allowed"] {
             let count = sample(
                 &metrics,
                 &format!(r#"flotilla_agent_myapps_refused_total{{rule="{rule}"}}"#),
