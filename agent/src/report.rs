@@ -323,7 +323,7 @@ mod tests {
             ready: true,
             ready_replicas: 3,
             observed_generation: Some(3),
-            conditions: vec![],
+            ..MyAppStatus::default()
         });
         let r = status_report(&key(), Some(&app));
         assert!(r.exists && r.ready);
