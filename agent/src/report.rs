@@ -72,18 +72,6 @@ pub async fn report_loop(
     }
 }
 
-impl Reports {
-    /// A MyApp (or its autoscaler) changed; false once the feed is closed.
-    fn feed(&mut self, change: Result<Key, broadcast::error::RecvError>) -> bool {
-        match change {
-            Ok(key) => self.changed(key),
-            // Fell behind: resend whatever differs.
-            Err(broadcast::error::RecvError::Lagged(_)) => self.all(),
-            Err(broadcast::error::RecvError::Closed) => false,
-        }
-    }
-}
-
 /// What the hub heard last of each MyApp, and which reports are due. The changing
 /// methods return true (the loop goes on).
 struct Reports {
@@ -122,6 +110,16 @@ impl Reports {
     fn changed(&mut self, key: Key) -> bool {
         self.due.push(key);
         true
+    }
+
+    /// A MyApp (or its autoscaler) changed; false once the feed is closed.
+    fn feed(&mut self, change: Result<Key, broadcast::error::RecvError>) -> bool {
+        match change {
+            Ok(key) => self.changed(key),
+            // Fell behind: resend whatever differs.
+            Err(broadcast::error::RecvError::Lagged(_)) => self.all(),
+            Err(broadcast::error::RecvError::Closed) => false,
+        }
     }
 
     /// The outcome is reported, even if it reads like the last report; but a MyApp just
