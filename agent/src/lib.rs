@@ -2,19 +2,24 @@
 //! talks to the hub and hands its commands to `sync`, which keeps them in a `queue` (the
 //! latest wish per MyApp, retried with backoff) and writes the MyApps, never into a
 //! namespace `tenancy` forbids; after the initial sync `collect` says which orphans go;
-//! `report` sends their status back; `cache` holds the MyApps the agent reads. Beside
-//! them, `capacity` measures the cluster's room for pods for the hub's scheduling,
-//! `operator` turns each MyApp into a running Deployment, and `webhook` converts between
-//! MyApp versions for the apiserver. Health, metrics, logs, shutdown, supervision and
-//! leader election come from `flotilla-common`, shared with the hub; `run` wires them
-//! together and `cli` reads the command line.
+//! `report` sends their status back; `cache` holds the MyApps the agent reads.
+//! `autoscale` knows which MyApps an autoscaler scales (or their Deployments),
+//! `replicas` hands such replicas over to it without a reset, and `handback` gives them
+//! back to the federation when it goes. Beside them, `capacity` measures the cluster's
+//! room for pods for the hub's scheduling, `operator` turns each MyApp into a running
+//! Deployment, and `webhook` converts between MyApp versions for the apiserver. Health,
+//! metrics, logs, shutdown, supervision and leader election come from `flotilla-common`,
+//! shared with the hub; `run` wires them together and `cli` reads the command line.
 
+pub mod autoscale;
 pub mod cache;
 pub mod capacity;
 pub mod cli;
 pub mod collect;
+pub mod handback;
 pub mod operator;
 pub mod queue;
+pub mod replicas;
 pub mod report;
 pub mod run;
 pub mod session;
@@ -33,6 +38,12 @@ fn unreachable_client() -> kube::Client {
         .port();
     let config = kube::Config::new(format!("https://127.0.0.1:{port}").parse().unwrap());
     kube::Client::try_from(config).unwrap()
+}
+
+/// An index of autoscalers that never lists (its watch is not run): it knows of none.
+#[cfg(test)]
+fn no_autoscalers() -> autoscale::Autoscalers {
+    autoscale::watch(unreachable_client()).0
 }
 
 /// A listed cache holding managed MyApps `ns/<name>` for each of `names`.

@@ -1,5 +1,5 @@
 //! Report: what the agent tells the hub in a session. Every managed MyApp's status once,
-//! then each change; the error of a request that keeps failing until it succeeds; a
+//! then each change (of the MyApp, or of the autoscaler that owns its replicas); the error of a request that keeps failing until it succeeds; a
 //! collection the circuit breaker holds back; a heartbeat every `heartbeat`, with the
 //! cluster's capacity when the limiter lets it through. A status report equal to the
 //! last one sent is not sent again, but the outcome of a request the hub made always is.
@@ -13,6 +13,7 @@ use flotilla_proto::v1::{self as pb, agent_message};
 use kube::runtime::reflector::Store;
 use tokio::sync::{broadcast, mpsc};
 
+use crate::autoscale::{Autoscaler, Autoscalers};
 use crate::cache::{self, Key, applied_hash, is_managed};
 use crate::capacity;
 
@@ -37,13 +38,14 @@ fn agent(kind: agent_message::Kind) -> pb::AgentMessage {
 /// The reports of one session, sent on `tx` until it closes (see the module's header).
 pub async fn report_loop(
     store: Store<MyApp>,
-    mut changes: broadcast::Receiver<Key>,
+    autoscalers: Autoscalers,
+    [mut changes, mut scaled]: [broadcast::Receiver<Key>; 2],
     mut notices: mpsc::UnboundedReceiver<Notice>,
     tx: mpsc::Sender<pb::AgentMessage>,
     heartbeat: Duration,
     mut capacity: Option<(capacity::Source, capacity::Limiter)>,
 ) {
-    let mut reports = Reports::new(store);
+    let mut reports = Reports::new(store, autoscalers);
     let mut tick = tokio::time::interval(heartbeat);
     loop {
         for report in reports.take() {
@@ -61,12 +63,8 @@ pub async fn report_loop(
                     tx.send(blocked).await.is_ok()
                 }
             },
-            change = changes.recv() => match change {
-                Ok(key) => reports.changed(key),
-                // Fell behind: resend whatever differs.
-                Err(broadcast::error::RecvError::Lagged(_)) => reports.all(),
-                Err(broadcast::error::RecvError::Closed) => false,
-            },
+            change = changes.recv() => reports.feed(change),
+            change = scaled.recv() => reports.feed(change),
         };
         if !open {
             return;
@@ -78,6 +76,7 @@ pub async fn report_loop(
 /// methods return true (the loop goes on).
 struct Reports {
     store: Store<MyApp>,
+    autoscalers: Autoscalers,
     sent: HashMap<Key, pb::StatusReport>,
     /// The error of each MyApp whose latest request keeps failing.
     errors: HashMap<Key, String>,
@@ -88,9 +87,10 @@ struct Reports {
 }
 
 impl Reports {
-    fn new(store: Store<MyApp>) -> Self {
+    fn new(store: Store<MyApp>, autoscalers: Autoscalers) -> Self {
         let mut reports = Reports {
             store,
+            autoscalers,
             sent: HashMap::new(),
             errors: HashMap::new(),
             due: Vec::new(),
@@ -110,6 +110,16 @@ impl Reports {
     fn changed(&mut self, key: Key) -> bool {
         self.due.push(key);
         true
+    }
+
+    /// A MyApp (or its autoscaler) changed; false once the feed is closed.
+    fn feed(&mut self, change: Result<Key, broadcast::error::RecvError>) -> bool {
+        match change {
+            Ok(key) => self.changed(key),
+            // Fell behind: resend whatever differs.
+            Err(broadcast::error::RecvError::Lagged(_)) => self.all(),
+            Err(broadcast::error::RecvError::Closed) => false,
+        }
     }
 
     /// The outcome is reported, even if it reads like the last report; but a MyApp just
@@ -132,7 +142,9 @@ impl Reports {
     fn take(&mut self) -> Vec<pb::StatusReport> {
         let mut out = Vec::new();
         for key in std::mem::take(&mut self.due) {
-            let mut report = status_report(&key, cache::get(&self.store, &key).as_deref());
+            let app = cache::get(&self.store, &key);
+            let autoscaler = self.autoscalers.of(&key);
+            let mut report = status_report(&key, app.as_deref(), autoscaler.as_ref());
             if let Some(error) = self.errors.get(&key) {
                 report.apply_error = error.clone();
             }
@@ -166,8 +178,13 @@ async fn heartbeat_and_capacity(
     tx.send(message).await.is_ok()
 }
 
-/// The report for a MyApp as it stands, or for one that is gone (or no longer managed).
-pub fn status_report(key: &Key, app: Option<&MyApp>) -> pb::StatusReport {
+/// The report for a MyApp as it stands, with the autoscaler that owns its replicas, or
+/// for one that is gone (or no longer managed).
+pub fn status_report(
+    key: &Key,
+    app: Option<&MyApp>,
+    autoscaler: Option<&Autoscaler>,
+) -> pb::StatusReport {
     let Some(app) = app.filter(|a| is_managed(a)) else {
         return pb::StatusReport {
             key: Some(key.to_wire()),
@@ -195,6 +212,8 @@ pub fn status_report(key: &Key, app: Option<&MyApp>) -> pb::StatusReport {
             })
             .collect(),
         apply_error: String::new(),
+        replicas: status.replicas,
+        autoscaler: autoscaler.map(ToString::to_string).unwrap_or_default(),
     }
 }
 
@@ -214,11 +233,13 @@ mod tests {
     async fn outcomes_are_reported_and_unchanged_reports_are_not() {
         let a = Key::new("ns", "a");
         let (changes_tx, changes) = broadcast::channel(16);
+        let (_scaled_tx, scaled) = broadcast::channel(16);
         let (notices_tx, notices) = mpsc::unbounded_channel();
         let (tx, mut rx) = mpsc::channel(16);
         let task = tokio::spawn(report_loop(
             crate::store_of(&["a"]),
-            changes,
+            crate::no_autoscalers(),
+            [changes, scaled],
             notices,
             tx,
             Duration::from_secs(10),
@@ -282,11 +303,11 @@ mod tests {
     /// A MyApp applied before the watch shows it is not reported gone (the hub would take
     /// that as a confirmed deletion): it is reported once the cache holds it. A deletion
     /// the apiserver confirmed is reported at once, whatever the cache still shows.
-    #[test]
-    fn an_apply_the_cache_does_not_show_yet_is_not_reported_gone() {
+    #[tokio::test]
+    async fn an_apply_the_cache_does_not_show_yet_is_not_reported_gone() {
         let (store, mut writer) = kube::runtime::reflector::store::<MyApp>();
         writer.apply_watcher_event(&kube::runtime::watcher::Event::InitDone);
-        let mut reports = Reports::new(store);
+        let mut reports = Reports::new(store, crate::no_autoscalers());
         assert!(reports.take().is_empty());
         reports.tried(key(), None, true);
         assert!(
@@ -322,10 +343,19 @@ mod tests {
         app.status = Some(MyAppStatus {
             ready: true,
             ready_replicas: 3,
+            replicas: Some(4),
             observed_generation: Some(3),
-            conditions: vec![],
+            ..MyAppStatus::default()
         });
-        let r = status_report(&key(), Some(&app));
+        let hpa = Autoscaler {
+            name: "web".into(),
+            target: crate::autoscale::Target::MyApp,
+        };
+        let r = status_report(&key(), Some(&app), Some(&hpa));
+        assert_eq!(
+            (r.replicas, r.autoscaler.as_str()),
+            (Some(4), "HorizontalPodAutoscaler web scales the MyApp")
+        );
         assert!(r.exists && r.ready);
         assert_eq!(
             (
@@ -340,9 +370,9 @@ mod tests {
 
     #[test]
     fn missing_or_unmanaged_apps_report_as_gone() {
-        assert!(!status_report(&key(), None).exists);
+        assert!(!status_report(&key(), None, None).exists);
         let app = managed(r#"{"app.kubernetes.io/managed-by":"someone-else"}"#);
-        let r = status_report(&key(), Some(&app));
+        let r = status_report(&key(), Some(&app), None);
         assert!(!r.exists);
         assert!(
             r.hash.is_empty(),

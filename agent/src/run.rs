@@ -36,9 +36,11 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::autoscale::{self, Autoscalers};
 use crate::cache;
 use crate::capacity;
 use crate::cli::OperatorArgs;
+use crate::handback;
 use crate::operator;
 use crate::session::{self, SessionConfig};
 use crate::webhook::run_webhook;
@@ -92,16 +94,29 @@ pub async fn serve(
     });
     let config = args.operator_config();
     let act = move |stop: CancellationToken| {
-        let hub = hub_session(client.clone(), session.clone(), stop.clone());
+        let (autoscalers, autoscalers_watch) = autoscale::watch(client.clone());
+        let hub = hub_session(
+            client.clone(),
+            session.clone(),
+            autoscalers.clone(),
+            stop.clone(),
+        );
         let operator = operator::run_operator(
             client.clone(),
             config.clone(),
             metrics.clone(),
+            autoscalers,
             operator_ready.clone(),
             stop,
         );
+        // Boxed: together they are too large a future for a worker thread's stack.
+        let (operator, hub) = (Box::pin(operator), Box::pin(hub));
+        let autoscalers_watch = Box::pin(autoscalers_watch);
         async move {
-            tokio::join!(operator, hub);
+            tokio::select! {
+                _ = async { tokio::join!(operator, hub) } => {}
+                () = autoscalers_watch => {}
+            }
         }
     };
     let election = Election {
@@ -173,6 +188,7 @@ where
 async fn hub_session(
     client: kube::Client,
     session: Option<SessionConfig>,
+    autoscalers: Autoscalers,
     stop: CancellationToken,
 ) {
     let Some(session) = session else { return };
@@ -187,10 +203,16 @@ async fn hub_session(
             futures::future::Either::Right(futures::future::pending()),
         ),
     };
+    let handback = Box::pin(handback::run(
+        client.clone(),
+        managed.clone(),
+        autoscalers.clone(),
+    ));
     tokio::select! {
-        _ = session::run(client, session, managed, capacity, stop) => {}
+        _ = Box::pin(session::run(client, session, managed, capacity, autoscalers, stop)) => {}
         _ = watch => {}
         _ = capacity_watch => {}
+        _ = handback => {}
     }
 }
 

@@ -26,6 +26,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::autoscale::Autoscalers;
 use crate::cache::{Key, Managed, applied_hash, key_of};
 use crate::collect::{Breaker, Collector};
 use crate::sync::{self, Applier};
@@ -126,16 +127,17 @@ pub async fn run(
     config: SessionConfig,
     managed: Managed,
     capacity: Option<capacity::Source>,
+    autoscalers: Autoscalers,
     shutdown: CancellationToken,
 ) {
-    let applier = Applier::new(client.clone(), managed.store.clone());
+    let applier = Applier::new(client.clone(), managed.store.clone(), autoscalers.clone());
     let applier = Arc::new(applier.with_guard(config.guard.clone()));
     let mut backoff = reconnect_backoff().build();
     loop {
         let started = Instant::now();
         let result = tokio::select! {
             _ = shutdown.cancelled() => return,
-            r = one_session(&client, &config, &managed, capacity.as_ref(), &applier) => r,
+            r = one_session(&client, &config, &managed, capacity.as_ref(), &autoscalers, &applier) => r,
         };
         match result {
             Ok(()) => info!("the hub ended the session"),
@@ -158,19 +160,24 @@ async fn one_session(
     config: &SessionConfig,
     managed: &Managed,
     capacity: Option<&capacity::Source>,
+    autoscalers: &Autoscalers,
     applier: &Applier,
 ) -> Result<(), SessionError> {
     let mut hub = dial(config).await?;
     let _ = managed.listed.wait().await;
+    // Nothing is applied before the autoscalers are known: it could take their replicas.
+    let _ = autoscalers.listed.wait().await;
     // Subscribed before the list in Hello, so that no change falls between them.
     let changes = managed.changes.subscribe();
+    let scaled = autoscalers.subscribe();
     let (hello, listed) = hello(client, config).await?;
     let (tx, inbound) = client::open_session(&mut hub, hello, 256).await?;
     info!(hub = %config.hub, cluster = %config.cluster, managed = listed.len(), "connected to the hub");
     let (notices, notices_rx) = mpsc::unbounded_channel();
     let reporter = tokio::spawn(report::report_loop(
         managed.store.clone(),
-        changes,
+        autoscalers.clone(),
+        [changes, scaled],
         notices_rx,
         tx,
         config.heartbeat,

@@ -9,6 +9,8 @@
 //! the `app.kubernetes.io/managed-by: flotilla` label. The agent deletes a MyApp only when
 //! the hub says so, or after SyncComplete when it manages it, listed it in this session's
 //! Hello, and the hub no longer wants it; a MyApp without the label is never touched.
+//! While an autoscaler scales a MyApp, its `spec.replicas` is left out of the apply (see
+//! [`replicas`]); the federation's value rides along in an annotation.
 //! "Gone" is only ever said after the apiserver confirmed it, never from a cache miss.
 
 use std::sync::Arc;
@@ -23,9 +25,11 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
+use crate::autoscale::{Autoscalers, Target};
 use crate::cache::{self, Key, is_managed};
 use crate::collect::{Collection, Collector};
 use crate::queue::{Failed, KeyedQueue, retry_backoff};
+use crate::replicas;
 use crate::report::Notice;
 use crate::session::HubCommand;
 use crate::tenancy::Guard;
@@ -129,15 +133,17 @@ pub struct Applier {
     client: Client,
     /// MyApps carrying the managed-by label, kept by the agent's reflector.
     managed: Store<MyApp>,
+    autoscalers: Autoscalers,
     /// The namespaces never applied into (the default policy unless told otherwise).
     guard: Guard,
 }
 
 impl Applier {
-    pub fn new(client: Client, managed: Store<MyApp>) -> Self {
+    pub fn new(client: Client, managed: Store<MyApp>, autoscalers: Autoscalers) -> Self {
         Self {
             client,
             managed,
+            autoscalers,
             guard: Guard::default(),
         }
     }
@@ -193,7 +199,7 @@ impl Applier {
             key: key.clone(),
             reason,
         };
-        let value: Value = serde_json::from_slice(manifest).map_err(|e| bad(e.to_string()))?;
+        let mut value: Value = serde_json::from_slice(manifest).map_err(|e| bad(e.to_string()))?;
         let (kind, namespace, name, label) = (
             value["kind"].as_str(),
             value["metadata"]["namespace"].as_str(),
@@ -228,6 +234,7 @@ impl Applier {
                 }
             }
         }
+        self.give_way(key, &mut value).await?;
         api.patch(
             &key.name,
             &PatchParams::apply(FIELD_MANAGER).force(),
@@ -240,6 +247,47 @@ impl Applier {
             key: key.clone(),
             source,
         })
+    }
+
+    /// Records the federation's replicas on the manifest, and leaves `spec.replicas` out
+    /// of it while an autoscaler scales the MyApp (handing them over first, see
+    /// [`replicas`]). A MyApp not created yet starts with the federation's replicas.
+    async fn give_way(&self, key: &Key, manifest: &mut Value) -> Result<(), SyncError> {
+        let api_error = |action, source| SyncError::Api {
+            action,
+            key: key.clone(),
+            source,
+        };
+        let assigned = replicas::record_assigned(manifest);
+        let autoscaler = match self.autoscalers.of(key) {
+            Some(autoscaler) => Some(autoscaler),
+            // The cache may not show yet an autoscaler that just scaled it: look again
+            // before overwriting replicas someone else set.
+            None if cache::get(&self.managed, key)
+                .is_some_and(|app| app.spec.replicas.unwrap_or(replicas::DEFAULT) != assigned) =>
+            {
+                let fresh = self.autoscalers.of_fresh(key).await;
+                fresh.map_err(|e| api_error("listing the autoscalers of", e))?
+            }
+            None => None,
+        };
+        let Some(autoscaler) = autoscaler.filter(|a| a.target == Target::MyApp) else {
+            return Ok(());
+        };
+        let api = self.api(&key.namespace);
+        // Read afresh: the cache keeps no field managers.
+        let live = api.get_opt(&key.name).await;
+        let Some(live) = live.map_err(|e| api_error("reading", e))? else {
+            return Ok(());
+        };
+        replicas::hand_over(&api, &live, FIELD_MANAGER, replicas::myapp_replicas)
+            .await
+            .map_err(|e| api_error("handing spec.replicas over to the autoscaler of", e))?;
+        if let Some(spec) = manifest["spec"].as_object_mut() {
+            spec.remove("replicas");
+        }
+        debug!(app = %key, %autoscaler, assigned, "spec.replicas left to the autoscaler");
+        Ok(())
     }
 
     /// The managed MyApp at `key`, from the cache or, on a miss or when `fresh`, from
@@ -333,7 +381,11 @@ mod tests {
     ) -> Vec<(Instant, Notice)> {
         let names = ["a", "b", "c", "d"];
         let store = crate::store_of(&names);
-        let applier = Applier::new(crate::unreachable_client(), store.clone());
+        let applier = Applier::new(
+            crate::unreachable_client(),
+            store.clone(),
+            crate::no_autoscalers(),
+        );
         let collector = Collector {
             cluster: "c1".into(),
             managed: store,
@@ -440,7 +492,11 @@ mod tests {
     #[tokio::test]
     async fn a_broken_stream_ends_the_work_with_its_error() {
         let store = crate::store_of(&[]);
-        let applier = Applier::new(crate::unreachable_client(), store.clone());
+        let applier = Applier::new(
+            crate::unreachable_client(),
+            store.clone(),
+            crate::no_autoscalers(),
+        );
         let collector = Collector {
             cluster: "c1".into(),
             managed: store,

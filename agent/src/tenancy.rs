@@ -94,7 +94,8 @@ mod tests {
 
     fn applier(guard: &Guard) -> Applier {
         let store = crate::store_of(&[]);
-        Applier::new(crate::unreachable_client(), store).with_guard(guard.clone())
+        Applier::new(crate::unreachable_client(), store, crate::no_autoscalers())
+            .with_guard(guard.clone())
     }
 
     /// Refused before any request: the apiserver here never answers, so any call would

@@ -28,6 +28,7 @@ pub const ORPHAN_ANNOTATION: &str = "kubefed.io/orphan";
     printcolumn = r#"{"name":"Placed","type":"integer","description":"Clusters the MyApp is placed on","jsonPath":".status.placedClusters"}"#,
     printcolumn = r#"{"name":"Replicas","type":"integer","description":"Replicas the scheduling assigns across clusters","jsonPath":".status.replicas"}"#,
     printcolumn = r#"{"name":"Ready-Replicas","type":"integer","description":"Ready replicas across clusters","jsonPath":".status.readyReplicas"}"#,
+    printcolumn = r#"{"name":"Current","type":"integer","description":"Pods the members run across clusters, autoscalers' decisions included","jsonPath":".status.currentReplicas"}"#,
     printcolumn = r#"{"name":"Propagated","type":"string","jsonPath":".status.conditions[?(@.type==\"Propagated\")].status"}"#,
     printcolumn = r#"{"name":"Applied","type":"integer","priority":1,"description":"Placed clusters running the latest version","jsonPath":".status.appliedClusters"}"#,
     printcolumn = r#"{"name":"Pending","type":"integer","priority":1,"description":"Placed clusters whose agent has not applied the latest version yet","jsonPath":".status.pendingClusters"}"#,
@@ -278,6 +279,10 @@ pub struct FederatedMyAppStatus {
     /// Ready replicas across clusters.
     #[serde(default)]
     pub ready_replicas: i32,
+    /// Pods the members run across clusters, as their agents report them: differs from
+    /// `replicas` where an autoscaler in the member owns the replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_replicas: Option<i32>,
     /// One entry per placed cluster, and one per named cluster that is not registered; past
     /// 50 of them, only the 20 most urgent (see `omittedClusters`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -391,6 +396,15 @@ pub struct ClusterStatus {
     pub scheduling_reason: Option<SchedulingReason>,
     #[serde(default)]
     pub ready_replicas: i32,
+    /// Pods the member's MyApp runs (its `status.replicas`), whoever decided how many:
+    /// differs from `replicas` while an autoscaler in the member owns them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_replicas: Option<i32>,
+    /// The autoscaler in the member that owns this cluster's replicas (a
+    /// HorizontalPodAutoscaler on the MyApp or its Deployment; a KEDA ScaledObject through
+    /// the one it creates). Flotilla leaves those replicas alone while it exists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaler: Option<String>,
     /// Generation of the MyApp in the member cluster that the operator observed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,

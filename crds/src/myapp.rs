@@ -4,6 +4,11 @@
 //! matching `^.+:.+$`). `v1beta1` and `v1alpha1` are older served versions; each differs
 //! from `v1` by a renamed field so that conversion is real work, and every conversion
 //! here is lossless in both directions.
+//!
+//! Every version serves the `/scale` subresource, so that a HorizontalPodAutoscaler or a
+//! KEDA ScaledObject can target a MyApp: its replicas at the version's own path
+//! (`spec.size` at v1alpha1), the pods it runs at `status.replicas`, and their selector
+//! at `status.selector` (both written by the operator from the Deployment).
 
 use std::collections::BTreeMap;
 
@@ -38,6 +43,14 @@ pub struct MyAppStatus {
     pub ready: bool,
     #[serde(default)]
     pub ready_replicas: i32,
+    /// Pods of the Deployment, of every version and state (its `status.replicas`): what
+    /// the `/scale` subresource reports as the current replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+    /// The Deployment's pod selector as a label query (`a=b,c=d`): what an autoscaler
+    /// reads through `/scale` to find the pods it measures.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
     /// `Ready`, `Available`, `Progressing`, `Degraded`.
@@ -85,6 +98,11 @@ pub mod v1 {
         shortname = "ma",
         namespaced,
         status = "MyAppStatus",
+        scale(
+            spec_replicas_path = ".spec.replicas",
+            status_replicas_path = ".status.replicas",
+            label_selector_path = ".status.selector"
+        ),
         printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".spec.replicas"}"#,
         printcolumn = r#"{"name":"Ready","type":"integer","jsonPath":".status.readyReplicas"}"#,
         printcolumn = r#"{"name":"Image","type":"string","jsonPath":".spec.image"}"#,
@@ -119,7 +137,12 @@ pub mod v1beta1 {
         plural = "myapps",
         shortname = "ma",
         namespaced,
-        status = "MyAppStatus"
+        status = "MyAppStatus",
+        scale(
+            spec_replicas_path = ".spec.replicas",
+            status_replicas_path = ".status.replicas",
+            label_selector_path = ".status.selector"
+        )
     )]
     #[serde(rename_all = "camelCase")]
     pub struct MyAppSpec {
@@ -167,7 +190,12 @@ pub mod v1alpha1 {
         plural = "myapps",
         shortname = "ma",
         namespaced,
-        status = "MyAppStatus"
+        status = "MyAppStatus",
+        scale(
+            spec_replicas_path = ".spec.size",
+            status_replicas_path = ".status.replicas",
+            label_selector_path = ".status.selector"
+        )
     )]
     #[serde(rename_all = "camelCase")]
     pub struct MyAppSpec {

@@ -3,7 +3,7 @@
 //! compared with the managed MyApps each member actually has. Every difference is
 //! reported in words.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -13,6 +13,7 @@ use flotilla_crds::{
 use flotilla_plan::admission::Admission;
 use flotilla_plan::placement::{self, Members};
 use flotilla_plan::{ClusterPlan, plan};
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams};
 use kube::{Client, ResourceExt};
 use serde_json::Value;
@@ -31,11 +32,14 @@ pub enum Want {
     Any,
 }
 
-/// What a member has: each managed MyApp's content-hash annotation and spec.
+/// What a member has: each managed MyApp's content-hash annotation and spec, and whether
+/// an autoscaler there scales it (its `spec.replicas` are then the autoscaler's, not the
+/// render's).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Have {
     pub hash: Option<String>,
     pub spec: Value,
+    pub autoscaled: bool,
 }
 
 /// cluster → key → want. A key absent for a cluster means: no managed MyApp there.
@@ -122,7 +126,7 @@ pub fn compare(desired: &DesiredState, actual: &ActualState) -> Report {
                             short(hash)
                         ));
                     }
-                    if &have.spec != spec {
+                    if !same_spec(have, spec) {
                         wrong.push(format!("spec {} (want {spec})", have.spec));
                     }
                     if wrong.is_empty() {
@@ -152,6 +156,23 @@ pub fn compare(desired: &DesiredState, actual: &ActualState) -> Report {
     }
     report.differences.sort();
     report
+}
+
+/// The spec a member has is the rendered one, but for the replicas of an autoscaled
+/// MyApp: those are the autoscaler's.
+fn same_spec(have: &Have, want: &Value) -> bool {
+    let without_replicas = |spec: &Value| {
+        let mut spec = spec.clone();
+        if let Some(fields) = spec.as_object_mut() {
+            fields.remove("replicas");
+        }
+        spec
+    };
+    if have.autoscaled {
+        without_replicas(&have.spec) == without_replicas(want)
+    } else {
+        &have.spec == want
+    }
 }
 
 fn short(hash: &str) -> &str {
@@ -185,8 +206,28 @@ pub async fn managed_myapps(client: &Client) -> Result<BTreeMap<Key, Have>> {
             let have = Have {
                 hash: o.annotations().get(HASH_ANNOTATION).cloned(),
                 spec: o.data.get("spec").cloned().unwrap_or(Value::Null),
+                autoscaled: false,
             };
             (key, have)
+        })
+        .collect())
+}
+
+/// The MyApps (`namespace/name`) a HorizontalPodAutoscaler of the member scales.
+pub async fn autoscaled_myapps(client: &Client) -> Result<BTreeSet<Key>> {
+    let api: Api<HorizontalPodAutoscaler> = Api::all(client.clone());
+    let list = api.list(&ListParams::default()).await?;
+    Ok(list
+        .items
+        .iter()
+        .filter_map(|hpa| {
+            let target = &hpa.spec.as_ref()?.scale_target_ref;
+            let myapp = target.kind == "MyApp"
+                && target
+                    .api_version
+                    .as_deref()
+                    .is_some_and(|v| v.starts_with("app.example.com/"));
+            myapp.then(|| format!("{}/{}", hpa.namespace().unwrap_or_default(), target.name))
         })
         .collect())
 }
@@ -209,9 +250,15 @@ pub async fn check(env: &Env) -> Result<Report> {
     let mut have = ActualState::new();
     for m in &members {
         let client = env.client(m).await?;
-        let managed = managed_myapps(&client)
+        let mut managed = managed_myapps(&client)
             .await
             .with_context(|| format!("listing managed MyApps on {m}"))?;
+        let autoscaled = autoscaled_myapps(&client)
+            .await
+            .with_context(|| format!("listing HorizontalPodAutoscalers on {m}"))?;
+        for (key, have) in &mut managed {
+            have.autoscaled = autoscaled.contains(key);
+        }
         have.insert(m.to_string(), managed);
     }
     Ok(compare(&want, &have))
@@ -282,6 +329,7 @@ mod tests {
         Have {
             hash: Some(hash.into()),
             spec,
+            autoscaled: false,
         }
     }
 
@@ -400,6 +448,7 @@ mod tests {
                     Have {
                         hash: None,
                         spec: Value::Null,
+                        autoscaled: false,
                     },
                 )]),
             ),
@@ -418,6 +467,49 @@ mod tests {
             ]
         );
         assert!(!r.is_converged());
+    }
+
+    /// An autoscaler's replicas are no difference; any other field still is.
+    #[test]
+    fn an_autoscaled_myapps_replicas_are_the_autoscalers() {
+        let want = |spec: Value| Want::Exactly {
+            hash: "aaaaaaaaaaaaaaaa".into(),
+            spec,
+        };
+        let desired: DesiredState = BTreeMap::from([(
+            "c1".into(),
+            BTreeMap::from([
+                (
+                    "ns/scaled".into(),
+                    want(json!({"replicas": 2, "image": "a:1"})),
+                ),
+                (
+                    "ns/changed".into(),
+                    want(json!({"replicas": 2, "image": "a:1"})),
+                ),
+            ]),
+        )]);
+        let scaled = |spec| Have {
+            autoscaled: true,
+            ..have("aaaaaaaaaaaaaaaa", spec)
+        };
+        let actual: ActualState = BTreeMap::from([(
+            "c1".into(),
+            BTreeMap::from([
+                (
+                    "ns/scaled".into(),
+                    scaled(json!({"replicas": 4, "image": "a:1"})),
+                ),
+                (
+                    "ns/changed".into(),
+                    scaled(json!({"replicas": 4, "image": "a:2"})),
+                ),
+            ]),
+        )]);
+        let r = compare(&desired, &actual);
+        assert_eq!(r.converged, 1);
+        assert_eq!(r.differences.len(), 1, "{:?}", r.differences);
+        assert!(r.differences[0].starts_with("c1: MyApp ns/changed has spec"));
     }
 
     #[test]

@@ -141,6 +141,8 @@ pub fn report_from_pb(r: pb::StatusReport) -> Bounded<Report> {
         generation: bounds.number(r.generation, i64::MAX),
         degraded,
         apply_error: Some(bounds.string(r.apply_error, MESSAGE_MAX)).filter(|e| !e.is_empty()),
+        replicas: r.replicas.map(|n| bounds.number(n, i32::MAX)),
+        autoscaler: Some(bounds.string(r.autoscaler, REASON_MAX)).filter(|a| !a.is_empty()),
     };
     bounds.done(report)
 }

@@ -42,6 +42,11 @@ pub struct Report {
     pub degraded: Option<(String, String)>,
     /// Why the agent could not apply (or remove) it; it retries by itself.
     pub apply_error: Option<String>,
+    /// The pods the member's MyApp runs, whoever decided how many (absent from older
+    /// agents).
+    pub replicas: Option<i32>,
+    /// The autoscaler in the member that owns the replicas, in words.
+    pub autoscaler: Option<String>,
 }
 
 impl Report {
@@ -211,6 +216,7 @@ fn fold(
         disconnected_clusters: tally.count(Reason::AgentDisconnected),
         failed_clusters: failed,
         failed_over_clusters: tally.failed_over,
+        current_replicas: current_replicas(&tally),
         clusters: tally.clusters.iter().map(|(c, _)| c.clone()).collect(),
         ..Default::default()
     };
@@ -222,6 +228,16 @@ fn fold(
         list_most_urgent(&mut status, &urgency);
     }
     status
+}
+
+/// The pods the members run across clusters, by their agents' reports; absent while no
+/// agent reports them (older agents). Saturating: summed over up to 10,000 clusters.
+fn current_replicas(tally: &Tally) -> Option<i32> {
+    tally
+        .clusters
+        .iter()
+        .filter_map(|(c, _)| c.current_replicas)
+        .reduce(i32::saturating_add)
 }
 
 /// Keeps the [`URGENT_MAX`] most urgent entries that are not fine (by urgency, then
@@ -262,6 +278,8 @@ fn tally(inputs: &Inputs<'_>, message_max: usize) -> Tally {
         };
         if let Some(r) = report.filter(|r| r.exists) {
             entry.ready_replicas = r.ready_replicas;
+            entry.current_replicas = r.replicas;
+            entry.autoscaler = r.autoscaler.as_ref().map(|a| cut(a.clone(), message_max));
             entry.observed_generation = Some(r.observed_generation);
         }
         let standing = match planned {
@@ -618,6 +636,51 @@ mod tests {
                 ..Default::default()
             }
         );
+    }
+
+    /// What the members run, autoscalers' decisions included, is shown beside the
+    /// assignment: per cluster with the autoscaler that decided it, and summed over the
+    /// clusters that report it (older agents do not).
+    #[test]
+    fn the_members_current_replicas_and_their_autoscalers_are_shown() {
+        let p = plan(&[
+            ("c1", rendered("h1")),
+            ("c2", rendered("h2")),
+            ("c3", rendered("h3")),
+        ]);
+        let scaled = Report {
+            replicas: Some(4),
+            autoscaler: Some("HorizontalPodAutoscaler web scales the MyApp".into()),
+            ..report("h1", true, 4)
+        };
+        let plain = Report {
+            replicas: Some(2),
+            ..report("h2", true, 2)
+        };
+        let old_agent = report("h3", true, 2);
+        let s = run(
+            &p,
+            &[("c1", scaled), ("c2", plain), ("c3", old_agent)],
+            &["c1", "c2", "c3"],
+        );
+        let shown: Vec<_> = s
+            .clusters
+            .iter()
+            .map(|c| (c.current_replicas, c.autoscaler.as_deref()))
+            .collect();
+        assert_eq!(
+            shown,
+            [
+                (
+                    Some(4),
+                    Some("HorizontalPodAutoscaler web scales the MyApp")
+                ),
+                (Some(2), None),
+                (None, None)
+            ]
+        );
+        assert_eq!(s.current_replicas, Some(6));
+        assert_eq!(run(&p, &[], &["c1"]).current_replicas, None);
     }
 
     #[test]

@@ -47,6 +47,13 @@ pub fn deployment_name(app: &str) -> String {
     format!("{app}-deploy")
 }
 
+/// The MyApp whose Deployment is named `deployment`, by [`deployment_name`]'s rule.
+pub fn app_of_deployment(deployment: &str) -> Option<&str> {
+    deployment
+        .strip_suffix("-deploy")
+        .filter(|app| !app.is_empty())
+}
+
 /// Hex SHA-256 of the config. A `BTreeMap` serializes with sorted keys, so the digest
 /// depends on the content only, never on insertion order.
 pub fn config_checksum(config: &BTreeMap<String, String>) -> String {

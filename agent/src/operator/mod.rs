@@ -12,6 +12,9 @@
 //!   not control is never adopted ([`status::Problem::NotOwned`]).
 //! - Errors are per object: one failing MyApp is retried on its own and never holds up
 //!   the others.
+//! - While an autoscaler scales a MyApp's Deployment, the Deployment is applied without
+//!   `replicas` (handed over first, see [`crate::replicas`]); when it goes, the next
+//!   reconcile (the autoscaler's change triggers one) applies the MyApp's replicas again.
 
 pub mod children;
 pub mod status;
@@ -35,7 +38,9 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::autoscale::{Autoscalers, Target};
 use crate::cache::{key, key_of};
+use crate::replicas;
 use children::{BuildError, CHILD_MANAGED_BY};
 use flotilla_common::http::Gate;
 use flotilla_common::listed;
@@ -119,6 +124,7 @@ struct Context {
     recorder: Recorder,
     metrics: Arc<Metrics>,
     resync: Duration,
+    autoscalers: Autoscalers,
 }
 
 /// Runs the MyApp controller until `shutdown` fires, opening `ready` once every watched
@@ -128,6 +134,7 @@ pub async fn run_operator(
     client: Client,
     config: OperatorConfig,
     metrics: Arc<Metrics>,
+    autoscalers: Autoscalers,
     ready: Gate,
     shutdown: CancellationToken,
 ) {
@@ -140,6 +147,7 @@ pub async fn run_operator(
         client: client.clone(),
         metrics,
         resync: config.resync,
+        autoscalers,
     });
     // One controller per namespace when restricted: a reflector store cannot merge
     // several watches, and a namespaced watch needs no cluster-wide list permission.
@@ -185,6 +193,7 @@ pub async fn run_operator(
                 &owned,
                 &queue,
             ))
+            .reconcile_on(autoscaler_changes(&ctx.autoscalers, scope.clone(), &queue))
             .with_config(controller::Config::default().concurrency(config.concurrency))
             .graceful_shutdown_on(shutdown.clone().cancelled_owned())
             .run(reconcile, error_policy, ctx.clone())
@@ -286,6 +295,31 @@ where
     })
 }
 
+/// The MyApps (in `namespace`, or all) whose autoscaler appeared, changed or went away.
+fn autoscaler_changes(
+    autoscalers: &Autoscalers,
+    namespace: Option<String>,
+    queue: &WorkQueue,
+) -> impl futures::Stream<Item = reflector::ObjectRef<MyApp>> + Send + 'static {
+    let changes = autoscalers.subscribe();
+    let queue = queue.clone();
+    futures::stream::unfold(changes, |mut changes| async move {
+        loop {
+            match changes.recv().await {
+                Ok(key) => return Some((key, changes)),
+                // Missed changes are caught by the resync.
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    })
+    .filter(move |key| std::future::ready(namespace.as_ref().is_none_or(|ns| *ns == key.namespace)))
+    .map(move |key| {
+        queue.triggered(key.to_string());
+        reflector::ObjectRef::new(&key.name).within(&key.namespace)
+    })
+}
+
 async fn reconcile(app: Arc<MyApp>, ctx: Arc<Context>) -> Result<Action, Error> {
     let key = key_of(&*app).to_string();
     let mut timer = ctx.metrics.reconcile(CONTROLLER, &key);
@@ -330,7 +364,7 @@ async fn reconcile_app(app: &MyApp, ctx: &Context) -> Result<Settled, Error> {
     }
     let namespace = app.namespace().ok_or(BuildError::Unnamed)?;
     let config_map = children::config_map(app)?;
-    let deployment = children::deployment(app)?;
+    let mut deployment = children::deployment(app)?;
     let config_maps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &namespace);
     let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &namespace);
 
@@ -347,25 +381,27 @@ async fn reconcile_app(app: &MyApp, ctx: &Context) -> Result<Settled, Error> {
             source,
         })?,
     };
-    let current = match (deployment, &problem) {
-        (Some(deployment), None) => match apply(&deployments, &deployment, app).await {
-            Ok(Some((applied, change))) => {
-                ctx.announce(app, "Deployment", &deployment, change).await;
-                Some(applied)
+    let current = match (deployment.as_mut(), &problem) {
+        (Some(deployment), None) => {
+            match apply_deployment(ctx, app, &deployments, deployment).await {
+                Ok(Some((applied, change))) => {
+                    ctx.announce(app, "Deployment", &*deployment, change).await;
+                    Some(applied)
+                }
+                Ok(None) => {
+                    problem = Some(not_owned("Deployment", &*deployment));
+                    None
+                }
+                Err(e) => {
+                    problem = rejected(e).map_err(|source| Error::Apply {
+                        kind: "Deployment",
+                        name: name(&*deployment),
+                        source,
+                    })?;
+                    None
+                }
             }
-            Ok(None) => {
-                problem = Some(not_owned("Deployment", &deployment));
-                None
-            }
-            Err(e) => {
-                problem = rejected(e).map_err(|source| Error::Apply {
-                    kind: "Deployment",
-                    name: name(&deployment),
-                    source,
-                })?;
-                None
-            }
-        },
+        }
         (None, _) => {
             problem = Some(Problem::ImageMissing);
             None
@@ -445,6 +481,61 @@ async fn apply<K>(
 where
     K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
 {
+    let before = api.get_opt(&name(object)).await?;
+    if foreign(before.as_ref(), app) {
+        return Ok(None);
+    }
+    apply_over(api, object, before).await.map(Some)
+}
+
+/// An object of a child's name that `app` does not control: never adopted.
+fn foreign<K: Resource>(before: Option<&K>, app: &MyApp) -> bool {
+    before.is_some_and(|b| !children::controlled_by(b, app))
+}
+
+/// Applies the Deployment, without `replicas` while an autoscaler scales it (handed over
+/// first). A Deployment not created yet starts with the MyApp's replicas. `None`, as for
+/// [`apply`]: someone else's Deployment of that name, left as it is.
+async fn apply_deployment(
+    ctx: &Context,
+    app: &MyApp,
+    api: &Api<Deployment>,
+    deployment: &mut Deployment,
+) -> Result<Option<(Deployment, Written)>, kube::Error> {
+    let before = api.get_opt(&name(deployment)).await?;
+    if foreign(before.as_ref(), app) {
+        return Ok(None);
+    }
+    let key = key_of(app);
+    let wanted = deployment.spec.as_ref().and_then(|s| s.replicas);
+    let live = before.as_ref().and_then(|d| d.spec.as_ref()?.replicas);
+    let autoscaler = match ctx.autoscalers.of(&key) {
+        Some(autoscaler) => Some(autoscaler),
+        // The cache may not show yet an autoscaler that just scaled it: look again
+        // before overwriting replicas someone else set.
+        None if before.is_some() && live != wanted => ctx.autoscalers.of_fresh(&key).await?,
+        None => None,
+    };
+    if let (Some(autoscaler), Some(live)) = (autoscaler, &before)
+        && autoscaler.target == Target::Deployment
+    {
+        replicas::hand_over(api, live, FIELD_MANAGER, replicas::spec_replicas).await?;
+        if let Some(spec) = deployment.spec.as_mut() {
+            spec.replicas = None;
+        }
+        debug!(%autoscaler, "Deployment replicas left to the autoscaler");
+    }
+    apply_over(api, deployment, before).await.map(Some)
+}
+
+async fn apply_over<K>(
+    api: &Api<K>,
+    object: &K,
+    before: Option<K>,
+) -> Result<(K, Written), kube::Error>
+where
+    K: Resource + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
+{
     let name = name(object);
     let version = |o: &K| {
         o.meta()
@@ -452,13 +543,6 @@ where
             .map(|g| g.to_string())
             .or_else(|| o.meta().resource_version.clone())
     };
-    let before = api.get_opt(&name).await?;
-    if before
-        .as_ref()
-        .is_some_and(|b| !children::controlled_by(b, app))
-    {
-        return Ok(None);
-    }
     let params = PatchParams::apply(FIELD_MANAGER).force();
     let after = api.patch(&name, &params, &Patch::Apply(object)).await?;
     let change = match before {
@@ -466,7 +550,7 @@ where
         Some(b) if version(&b) != version(&after) => Written::Updated,
         Some(_) => Written::Unchanged,
     };
-    Ok(Some((after, change)))
+    Ok((after, change))
 }
 
 fn not_owned<K: Resource>(kind: &'static str, child: &K) -> Problem {
@@ -541,6 +625,7 @@ mod tests {
             client,
             OperatorConfig::default(),
             Arc::new(Metrics::default()),
+            crate::no_autoscalers(),
             gate,
             stop.clone(),
         ));

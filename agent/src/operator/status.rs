@@ -1,10 +1,15 @@
 //! The MyApp status, computed from its Deployment and from what stopped the operator.
 //! Pure: the reconciler passes the clock in.
 
+use std::collections::BTreeMap;
+
 use flotilla_crds::{MyApp, MyAppStatus};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+
+use super::children;
 
 pub const AVAILABLE: &str = "Available";
 pub const PROGRESSING: &str = "Progressing";
@@ -246,9 +251,21 @@ pub fn compute(
         ready_replicas: deployment
             .and_then(|d| d.status.as_ref()?.ready_replicas)
             .unwrap_or(0),
+        replicas: Some(
+            deployment
+                .and_then(|d| d.status.as_ref()?.replicas)
+                .unwrap_or(0),
+        ),
+        selector: Some(label_query(&children::selector_labels(&app.name_any()))),
         observed_generation: generation,
         conditions,
     }
+}
+
+/// Labels as the label query an autoscaler reads from `/scale` (`a=b,c=d`, sorted).
+fn label_query(labels: &BTreeMap<String, String>) -> String {
+    let pairs: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    pairs.join(",")
 }
 
 #[cfg(test)]
@@ -328,6 +345,21 @@ mod tests {
                 .iter()
                 .all(|c| c.observed_generation == Some(5))
         );
+    }
+
+    /// What `/scale` reads: the Deployment's pods, and their selector as a label query
+    /// (present before any Deployment, since it depends on the name only).
+    #[test]
+    fn status_carries_the_pods_and_their_selector_for_scale() {
+        let d = deployment(3, 2, [3, 4, 3, 3]);
+        let s = compute(&app(2), Some(&d), None, at(10));
+        assert_eq!(s.replicas, Some(4));
+        assert_eq!(
+            s.selector.as_deref(),
+            Some("app.kubernetes.io/instance=web,app.kubernetes.io/name=myapp")
+        );
+        let none = compute(&app(2), None, Some(&Problem::ImageMissing), at(10));
+        assert_eq!((none.replicas, none.selector), (Some(0), s.selector));
     }
 
     #[test]

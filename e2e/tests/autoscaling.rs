@@ -1,0 +1,393 @@
+//! Nobody fights the autoscaler: the real HPA controller of kube-controller-manager scales
+//! a federated MyApp (or its Deployment) in one member, and neither the hub, the agent nor
+//! the operator writes those replicas while it does; the hub shows what the member runs;
+//! deleting the HPA hands the replicas back to the federation.
+//!
+//! No metrics server runs here: the HPA controller clamps its target's replicas into
+//! [minReplicas, maxReplicas] before it reads any metric, so an HPA whose minReplicas is
+//! above the federation's assignment scales the target up all the same.
+//!
+//! The tests share the members and each ends with the convergence checker green and the
+//! deletion log clean, so they run one at a time (a lock).
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use flotilla_crds::{FederatedMyApp, HASH_ANNOTATION, MyApp};
+use flotilla_e2e::converge;
+use flotilla_e2e::deletions::DeletionLog;
+use flotilla_lab::{Env, await_object, wait_for};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
+};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+
+const TIMEOUT: Duration = Duration::from_secs(90);
+/// How long the autoscaled replicas are watched for a fight.
+const WATCH: Duration = Duration::from_secs(60);
+/// The federation's replicas for every cluster, and the HPA's floor above them.
+const ASSIGNED: i32 = 2;
+const HPA_MIN: i32 = 4;
+const NS: &str = "default";
+
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// What the HPA scales.
+#[derive(Clone, Copy, Debug)]
+enum Target {
+    MyApp,
+    Deployment,
+}
+
+struct Ctx {
+    env: Env,
+    host: Client,
+    member: Client,
+    name: String,
+}
+
+impl Ctx {
+    async fn start(name: &str) -> Result<Ctx> {
+        let env = Env::load_ready().await?;
+        let host = env.client(env.host()).await?;
+        let member = env.client("cluster1").await?;
+        Ok(Ctx {
+            env,
+            host,
+            member,
+            name: name.into(),
+        })
+    }
+
+    fn fedapps(&self) -> Api<FederatedMyApp> {
+        Api::namespaced(self.host.clone(), NS)
+    }
+
+    fn myapps(&self) -> Api<MyApp> {
+        Api::namespaced(self.member.clone(), NS)
+    }
+
+    /// The member's MyApps read and written at `version`.
+    fn myapp_at(&self, version: &str) -> Api<DynamicObject> {
+        let gvk = GroupVersionKind::gvk("app.example.com", version, "MyApp");
+        let resource = ApiResource::from_gvk_with_plural(&gvk, "myapps");
+        Api::namespaced_with(self.member.clone(), NS, &resource)
+    }
+
+    fn deployments(&self) -> Api<Deployment> {
+        Api::namespaced(self.member.clone(), NS)
+    }
+
+    fn hpas(&self) -> Api<HorizontalPodAutoscaler> {
+        Api::namespaced(self.member.clone(), NS)
+    }
+
+    fn deployment_name(&self) -> String {
+        format!("{}-deploy", self.name)
+    }
+
+    /// Applies the FederatedMyApp as a GitOps tool would: the whole object, each time,
+    /// with `replicas` in its template.
+    async fn apply(&self, config: &str) -> Result<()> {
+        let app = json!({
+            "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+            "metadata": {"name": self.name, "namespace": NS},
+            "spec": {
+                "placement": {"clusters": [{"name": "cluster1"}, {"name": "cluster2"}]},
+                "template": {"spec": {
+                    "replicas": ASSIGNED, "image": "nginx:1.27", "config": {"app.conf": config}
+                }},
+            },
+        });
+        self.fedapps()
+            .patch(
+                &self.name,
+                &PatchParams::apply("gitops").force(),
+                &Patch::Apply(&app),
+            )
+            .await
+            .with_context(|| format!("applying FederatedMyApp {}", self.name))?;
+        Ok(())
+    }
+
+    /// The member's MyApp and Deployment replicas (`spec.replicas` of each).
+    async fn replicas(&self) -> Result<(Option<i32>, Option<i32>)> {
+        let app = self.myapps().get_opt(&self.name).await?;
+        let deployment = self.deployments().get_opt(&self.deployment_name()).await?;
+        Ok((
+            app.and_then(|a| a.spec.replicas),
+            deployment.and_then(|d| d.spec?.replicas),
+        ))
+    }
+
+    async fn wait_replicas(&self, want: (i32, i32), what: &str) -> Result<()> {
+        wait_for(TIMEOUT, what, || async {
+            let now = self.replicas().await?;
+            Ok((now == (Some(want.0), Some(want.1))).then_some(()))
+        })
+        .await
+    }
+
+    /// The field managers that own the member MyApp's `spec.replicas`.
+    async fn replicas_owners(&self) -> Result<Vec<String>> {
+        let app = self.myapps().get(&self.name).await?;
+        Ok(app
+            .managed_fields()
+            .iter()
+            .filter(|entry| {
+                entry
+                    .fields_v1
+                    .as_ref()
+                    .is_some_and(|f| f.0["f:spec"].get("f:replicas").is_some())
+            })
+            .filter_map(|entry| entry.manager.clone())
+            .collect())
+    }
+
+    async fn create_hpa(&self, target: Target, min: i32) -> Result<()> {
+        let target = match target {
+            Target::MyApp => {
+                json!({"apiVersion": "app.example.com/v1", "kind": "MyApp", "name": self.name})
+            }
+            Target::Deployment => {
+                json!({"apiVersion": "apps/v1", "kind": "Deployment", "name": self.deployment_name()})
+            }
+        };
+        let hpa: HorizontalPodAutoscaler = serde_json::from_value(json!({
+            "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": self.name, "namespace": NS},
+            "spec": {"scaleTargetRef": target, "minReplicas": min, "maxReplicas": 6},
+        }))?;
+        self.hpas().create(&PostParams::default(), &hpa).await?;
+        Ok(())
+    }
+
+    /// Samples the member every second for [`WATCH`] while `during` re-applies the
+    /// FederatedMyApp; every sample must be `want`.
+    async fn hold(&self, want: (i32, i32), during: impl Future<Output = Result<()>>) -> Result<()> {
+        let sampling = async {
+            let start = Instant::now();
+            let mut samples = 0;
+            while start.elapsed() < WATCH {
+                let now = self.replicas().await?;
+                if now != (Some(want.0), Some(want.1)) {
+                    bail!(
+                        "after {:.0?}: MyApp and Deployment replicas {now:?}, want {want:?}: something fought the autoscaler",
+                        start.elapsed()
+                    );
+                }
+                samples += 1;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            println!("{}: {samples} samples, all {want:?}", self.name);
+            Ok(())
+        };
+        tokio::try_join!(sampling, during)?;
+        Ok(())
+    }
+
+    /// Re-applies the FederatedMyApp unchanged, then with its config changed, and waits
+    /// until the member runs that change: the hub and the agent did reconcile.
+    async fn reapply(&self) -> Result<()> {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        self.apply("v1").await?;
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let before = self.myapps().get(&self.name).await?;
+        self.apply("v2").await?;
+        let what = "the changed FederatedMyApp on cluster1";
+        let changed = |a: Option<&MyApp>| {
+            a.is_some_and(|a| {
+                a.spec.config.get("app.conf").map(String::as_str) == Some("v2")
+                    && a.annotations().get(HASH_ANNOTATION)
+                        != before.annotations().get(HASH_ANNOTATION)
+            })
+        };
+        await_object(&self.myapps(), &self.name, TIMEOUT, what, changed).await?;
+        Ok(())
+    }
+
+    /// The hub's status for cluster1 shows what it runs and the autoscaler; cluster2
+    /// runs the assignment.
+    async fn hub_shows(&self, current: i32, autoscaled: bool) -> Result<Value> {
+        let what = format!("status.clusters[cluster1].currentReplicas {current}");
+        let app = await_object(
+            &self.fedapps(),
+            &self.name,
+            TIMEOUT,
+            &what,
+            |a: Option<&FederatedMyApp>| {
+                let Some(status) = a.and_then(|a| a.status.as_ref()) else {
+                    return false;
+                };
+                let c1 = status.clusters.iter().find(|c| c.name == "cluster1");
+                let c2 = status.clusters.iter().find(|c| c.name == "cluster2");
+                c1.is_some_and(|c| {
+                    c.current_replicas == Some(current) && c.autoscaler.is_some() == autoscaled
+                }) && c2.is_some_and(|c| c.current_replicas == Some(ASSIGNED))
+                    && status.current_replicas == Some(current + ASSIGNED)
+            },
+        )
+        .await?;
+        Ok(serde_json::to_value(
+            app.context("no FederatedMyApp")?.status,
+        )?)
+    }
+
+    async fn delete(&self) -> Result<()> {
+        let _ = self
+            .hpas()
+            .delete(&self.name, &DeleteParams::default())
+            .await;
+        let _ = self
+            .fedapps()
+            .delete(&self.name, &DeleteParams::default())
+            .await;
+        let gone = |a: Option<&MyApp>| a.is_none();
+        await_object(
+            &self.myapps(),
+            &self.name,
+            TIMEOUT,
+            "the MyApp collected",
+            gone,
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// The FederatedMyApp on both members at [`ASSIGNED`] replicas; an HPA on cluster1 with
+/// `min` replicas at least, targeting `target`; what cluster1 must then run, held for
+/// [`WATCH`] through two re-applies; the hub's view; the HPA deleted and the federation's
+/// replicas back; everything converged and nothing deleted.
+async fn autoscaled_then_handed_back(name: &str, target: Target, min: i32) -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ctx = Ctx::start(name).await?;
+    // Left by an earlier run that failed half-way.
+    let _ = ctx.hpas().delete(name, &DeleteParams::default()).await;
+    ctx.apply("v1").await?;
+    ctx.wait_replicas(
+        (ASSIGNED, ASSIGNED),
+        "the federation's replicas on cluster1",
+    )
+    .await?;
+    let log = DeletionLog::start(&ctx.env).await?;
+
+    ctx.create_hpa(target, min).await?;
+    let running = min.max(ASSIGNED);
+    // The MyApp keeps the federation's replicas when the HPA scales its Deployment.
+    let scaled = match target {
+        Target::MyApp => (running, running),
+        Target::Deployment => (ASSIGNED, running),
+    };
+    ctx.wait_replicas(scaled, "the HPA's replicas on cluster1")
+        .await?;
+    // The agent has seen the HPA once the hub shows it.
+    ctx.hub_shows(running, true).await?;
+    ctx.hold(scaled, ctx.reapply()).await?;
+    let status = ctx.hub_shows(running, true).await?;
+    println!("{name}: hub status {status}");
+    let owners = ctx.replicas_owners().await?;
+    println!("{name}: spec.replicas owned by {owners:?}");
+    if let Target::MyApp = target {
+        ensure!(
+            !owners.is_empty() && !owners.iter().any(|o| o == "flotilla-agent"),
+            "the MyApp's spec.replicas are owned by {owners:?}: want the HPA's or the agent's keeper only"
+        );
+    }
+
+    ctx.hpas()
+        .delete(&ctx.name, &DeleteParams::default())
+        .await?;
+    ctx.wait_replicas(
+        (ASSIGNED, ASSIGNED),
+        "the federation's replicas back on cluster1",
+    )
+    .await?;
+    ctx.hub_shows(ASSIGNED, false).await?;
+
+    let (report, took) = converge::wait_converged(&ctx.env, TIMEOUT).await?;
+    println!(
+        "{name}: converged pairs {}, in {took:.1?}",
+        report.converged
+    );
+    log.assert_clean(&BTreeSet::new())?;
+    ctx.delete().await
+}
+
+/// The HPA's floor is above the assignment: the HPA controller scales the MyApp through
+/// `/scale` and owns `spec.replicas` from then on.
+#[tokio::test]
+async fn an_hpa_on_a_myapp_owns_its_replicas_until_it_goes() -> Result<()> {
+    autoscaled_then_handed_back("autoscale-myapp", Target::MyApp, HPA_MIN).await
+}
+
+/// The HPA has not written anything (the assignment is within its bounds and no metrics
+/// come): the agent's apply without `spec.replicas` must not reset them to 1, its keeper
+/// holds them.
+#[tokio::test]
+async fn an_hpa_that_has_not_scaled_yet_gets_the_replicas_without_a_reset() -> Result<()> {
+    autoscaled_then_handed_back("autoscale-quiet", Target::MyApp, 1).await
+}
+
+#[tokio::test]
+async fn an_hpa_on_the_deployment_owns_its_replicas_until_it_goes() -> Result<()> {
+    autoscaled_then_handed_back("autoscale-deploy", Target::Deployment, HPA_MIN).await
+}
+
+/// `/scale` answers at every served version (through the conversion webhook at v1beta1
+/// and v1alpha1, whose replicas are `spec.size`), with the pods and their selector; a
+/// hand-made scale of a MyApp no autoscaler owns is undone: the replicas are the
+/// federation's.
+#[tokio::test]
+async fn scale_answers_at_every_version_and_a_hand_made_scale_is_undone() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ctx = Ctx::start("autoscale-scale").await?;
+    ctx.apply("v1").await?;
+    ctx.wait_replicas(
+        (ASSIGNED, ASSIGNED),
+        "the federation's replicas on cluster1",
+    )
+    .await?;
+    let selector = format!(
+        "app.kubernetes.io/instance={},app.kubernetes.io/name=myapp",
+        ctx.name
+    );
+    for version in ["v1", "v1beta1", "v1alpha1"] {
+        let api = ctx.myapp_at(version);
+        let what = format!("/scale at {version} with {ASSIGNED} pods");
+        let scale = wait_for(TIMEOUT, &what, || async {
+            let scale = api.get_scale(&ctx.name).await?;
+            let pods = scale.status.as_ref().map(|s| s.replicas);
+            Ok((pods == Some(ASSIGNED)).then_some(scale))
+        })
+        .await?;
+        ensure!(
+            scale.spec.as_ref().and_then(|s| s.replicas) == Some(ASSIGNED),
+            "{version}: {scale:?}"
+        );
+        ensure!(
+            scale.status.as_ref().and_then(|s| s.selector.as_deref()) == Some(selector.as_str()),
+            "{version}: {scale:?}"
+        );
+    }
+    let log = DeletionLog::start(&ctx.env).await?;
+    let by_hand = json!({"spec": {"replicas": 3}});
+    let scaled = ctx
+        .myapp_at("v1alpha1")
+        .patch_scale(&ctx.name, &PatchParams::default(), &Patch::Merge(&by_hand))
+        .await
+        .context("scaling through /scale at v1alpha1")?;
+    ensure!(
+        scaled.spec.as_ref().and_then(|s| s.replicas) == Some(3),
+        "{scaled:?}"
+    );
+    ctx.wait_replicas((ASSIGNED, ASSIGNED), "the hand-made scale undone")
+        .await?;
+    converge::wait_converged(&ctx.env, TIMEOUT).await?;
+    log.assert_clean(&BTreeSet::new())?;
+    ctx.delete().await
+}
