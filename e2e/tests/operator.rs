@@ -6,15 +6,15 @@
 //! first member cluster. Needs a running environment (`cargo run -p flotilla-e2e -- up`).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use flotilla_crds::{MyApp, MyAppStatus};
+use flotilla_e2e::agent_binary;
 use flotilla_lab::federation::{Federation, agent_name};
-use flotilla_lab::support::{cargo_binaries, free_addr, http_get, workspace_root};
+use flotilla_lab::support::{free_addr, http_get, workspace_root};
 use flotilla_lab::{Env, ProcessRecord, await_object, wait_for};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
@@ -31,17 +31,6 @@ use serde_json::{Value, json};
 const TIMEOUT: Duration = Duration::from_secs(90);
 const CHECKSUM: &str = "checksum/config";
 const CRD: &str = "myapps.app.example.com";
-
-/// The `flotilla-agent` binary, built once per test run so the tests never run a stale one.
-fn agent_binary() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        cargo_binaries(&[("flotilla-agent", "flotilla-agent")])
-            .expect("building flotilla-agent")
-            .remove("flotilla-agent")
-            .expect("cargo names the flotilla-agent executable")
-    })
-}
 
 /// A test's world: a fresh namespace on a member cluster, where the environment's agent
 /// (`flotilla-agent run`, which `up` starts per member) runs the operator under test; or,

@@ -5,16 +5,14 @@
 //! Needs a running environment (`cargo run -p flotilla-e2e -- up`).
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use flotilla_crds::{FederatedMyApp, MyApp};
-use flotilla_e2e::converge;
 use flotilla_e2e::deletions::DeletionLog;
-use flotilla_lab::support::{cargo_binaries, free_addr, http_get, sample};
+use flotilla_e2e::{agent_binary, converge};
+use flotilla_lab::support::{free_addr, http_get, sample};
 use flotilla_lab::{Env, await_object, wait_for};
 use flotilla_proto::v1::federation_server::{Federation, FederationServer};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
@@ -179,17 +177,6 @@ async fn a_federatedmyapp_in_a_forbidden_namespace_reaches_no_member() -> Result
         .collect();
     converge::wait_converged(&env, TIMEOUT).await?;
     log.assert_clean(&expected)
-}
-
-/// The `flotilla-agent` binary, built once per test run.
-fn agent_binary() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        cargo_binaries(&[("flotilla-agent", "flotilla-agent")])
-            .expect("building flotilla-agent")
-            .remove("flotilla-agent")
-            .expect("cargo names the flotilla-agent executable")
-    })
 }
 
 /// A hub that sends every agent `sends` after its Hello (never a SyncComplete, so the
