@@ -199,8 +199,8 @@ fn fold(
         ),
         _ => ready(&tally, limits.condition_message, cond),
     };
-    let unplannable = plan.placement_error.is_some() && inputs.deleting_on.is_none();
-    let [reconciling, stalled] = progress(&tally, unplannable, &propagated, &ready, cond);
+    let (unplannable, deleting) = (plan.placement_error.is_some(), inputs.deleting_on.is_some());
+    let [reconciling, stalled] = progress(&tally, unplannable, deleting, &propagated, &ready, cond);
     let before: &[Condition] = previous.map_or(&[], |p| &p.conditions);
     let failed = tally.count(Reason::RenderFailed) + tally.count(Reason::ApplyFailed);
     let mut status = FederatedMyAppStatus {
@@ -437,29 +437,28 @@ fn ready(
 fn progress(
     tally: &Tally,
     unplannable: bool,
+    deleting: bool,
     propagated: &Condition,
     ready: &Condition,
     cond: impl Fn(&str, bool, &str, String) -> Condition,
 ) -> [Condition; 2] {
-    let stalled = match (propagated.reason.as_str(), ready.reason.as_str()) {
+    let unrendered = tally.count(Reason::RenderFailed);
+    let stalled = if deleting {
         // A deletion goes on whatever the spec says.
-        ("Deleting", _) => None,
-        (why, _) if unplannable => Some((
-            why,
-            "the app cannot be planned (Propagated says why)".to_owned(),
-        )),
-        (_, "RenderFailed") => Some((
-            "RenderFailed",
-            format!(
-                "the template cannot be rendered for {} cluster(s) (Propagated names them)",
-                tally.count(Reason::RenderFailed)
-            ),
-        )),
-        (_, "NoClusters") => Some((
-            "NoClusters",
-            "the placement selects no registered cluster".to_owned(),
-        )),
-        _ => None,
+        None
+    } else if unplannable {
+        let why = "the app cannot be planned (Propagated says why)";
+        Some((propagated.reason.as_str(), why.to_owned()))
+    } else if unrendered > 0 {
+        let why = format!(
+            "the template cannot be rendered for {unrendered} cluster(s) (Propagated names them)"
+        );
+        Some((Reason::RenderFailed.as_str(), why))
+    } else if tally.placed == 0 {
+        let why = "the placement selects no registered cluster";
+        Some(("NoClusters", why.to_owned()))
+    } else {
+        None
     };
     if let Some((reason, message)) = stalled {
         return [
