@@ -1,7 +1,8 @@
 //! Report: what the agent tells the hub in a session. Every managed MyApp's status once,
-//! then each change (of the MyApp, or of the autoscaler that owns its replicas); the error of a request that keeps failing until it succeeds; a
-//! collection the circuit breaker holds back; a heartbeat every `heartbeat`, with the
-//! cluster's capacity when the limiter lets it through. A status report equal to the
+//! then each change (of the MyApp, or of the autoscaler that owns its replicas); the
+//! error of a request that keeps failing until it succeeds; a collection the circuit
+//! breaker holds back; a heartbeat every `heartbeat`, with the cluster's capacity when
+//! the limiter lets it through. A status report equal to the
 //! last one sent is not sent again, but the outcome of a request the hub made always is.
 
 use std::collections::{HashMap, HashSet};
