@@ -2,6 +2,7 @@
 
 pub mod condition;
 pub mod federated;
+pub mod inventory;
 mod key;
 pub mod member;
 pub mod myapp;
@@ -42,9 +43,33 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
     vec![FederatedMyApp::crd(), MemberCluster::crd(), myapp]
 }
 
+/// The cluster inventory API's CRDs (`multicluster.x-k8s.io`), for a host where no other
+/// cluster manager installed them: ClusterProfile serves `v1alpha1` (stored) and
+/// `v1alpha2`.
+pub fn inventory_crds() -> Vec<CustomResourceDefinition> {
+    let profile = kube::core::crd::merge_crds(
+        vec![
+            inventory::v1alpha1::ClusterProfile::crd(),
+            inventory::v1alpha2::ClusterProfile::crd(),
+        ],
+        "v1alpha1",
+    )
+    .expect("the ClusterProfile versions share group, kind and scope");
+    vec![profile]
+}
+
 /// The CRDs as one multi-document YAML stream, as checked in under `crds/`.
 pub fn crds_yaml() -> String {
-    let docs: Vec<String> = crds()
+    yaml(&crds())
+}
+
+/// The cluster inventory CRDs as one YAML stream (`crds/cluster-inventory-crds.yaml`).
+pub fn inventory_crds_yaml() -> String {
+    yaml(&inventory_crds())
+}
+
+fn yaml(crds: &[CustomResourceDefinition]) -> String {
+    let docs: Vec<String> = crds
         .iter()
         .map(|crd| {
             let mut value = serde_json::to_value(crd).expect("a CRD serializes");

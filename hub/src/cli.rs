@@ -65,7 +65,12 @@ pub enum Command {
     /// lists only the most urgent past 50 clusters).
     Status(crate::detail::StatusArgs),
     /// Print the CustomResourceDefinitions Flotilla installs.
-    Crds,
+    Crds {
+        /// Print instead the cluster inventory API's CRDs (ClusterProfile,
+        /// `multicluster.x-k8s.io`), for a host where no other cluster manager installed them.
+        #[arg(long)]
+        cluster_inventory: bool,
+    },
     /// Print the version.
     Version,
     /// Print a shell completion script, e.g. `flotilla-hub completion bash > /etc/bash_completion.d/flotilla-hub`.

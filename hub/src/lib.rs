@@ -8,7 +8,7 @@
 //! writer of FederatedMyApp status), `membership` (MemberCluster watch, heartbeats and
 //! capacity → MemberCluster status), `writes` (what both status writers share: merge
 //! patches, the budget, backoff), `detail` (every cluster's status on demand: the HTTP
-//! endpoint and `flotilla-hub status`), `install` (what `join` prints), `run` (wiring only,
+//! endpoint and `flotilla-hub status`), `inventory` (a ClusterProfile per MemberCluster), `install` (what `join` prints), `run` (wiring only,
 //! with `flotilla_common::leader` choosing the leading replica), `cli`.
 //!
 //! Public only what the binary, the fan-out benchmark (`flotilla-bench`) and the
@@ -22,6 +22,7 @@ pub mod detail;
 pub mod dispatch;
 pub mod edge;
 pub(crate) mod install;
+pub mod inventory;
 pub mod membership;
 pub mod planner;
 pub mod run;

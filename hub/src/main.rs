@@ -10,8 +10,11 @@ fn main() -> ExitCode {
         command,
     } = Cli::parse();
     let result = match command {
-        Command::Crds => {
-            print!("{}", flotilla_crds::crds_yaml());
+        Command::Crds { cluster_inventory } => {
+            match cluster_inventory {
+                false => print!("{}", flotilla_crds::crds_yaml()),
+                true => print!("{}", flotilla_crds::inventory_crds_yaml()),
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Render(args) => cli::render_command(&args).map(|report| {

@@ -28,6 +28,7 @@ use crate::controller::{self, Context, Notices};
 use crate::detail;
 use crate::dispatch::Dispatcher;
 use crate::edge::{EdgeLimits, RefusalMetrics};
+use crate::inventory::{self, InventoryArgs};
 use crate::membership::{self, Membership};
 use crate::planner::{self, Planner};
 use crate::server::{self, FederationService};
@@ -73,6 +74,8 @@ pub struct RunArgs {
     pub tenancy: TenancyArgs,
     #[command(flatten)]
     pub leader: leader::LeaderArgs,
+    #[command(flatten)]
+    pub inventory: InventoryArgs,
 }
 
 impl RunArgs {
@@ -182,6 +185,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     });
     let (members_changed, members_changed_rx) = watch::channel(Default::default());
     let (member_events, members_listed) = watch_all(&client, members_writer);
+    let (inventory_members_listed, inventory_writes) = (members_listed.clone(), writes.clone());
     let (app_events, apps_listed) = watch_all(&client, apps_writer);
     let (triggers, triggers_rx) = mpsc::unbounded_channel();
     let (applied, applied_rx) = mpsc::unbounded_channel();
@@ -278,6 +282,18 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         status
             .clone()
             .write_loop(writer, leading.clone(), shutdown.clone()),
+    );
+    let publisher = inventory::Publisher {
+        client: client.clone(),
+        namespace: args.inventory.namespace(&args.tenancy.flotilla_namespace),
+        members: members.clone(),
+        members_listed: inventory_members_listed,
+        leading: leading.clone(),
+        metrics: inventory_writes,
+    };
+    tasks.spawn(
+        "cluster-inventory",
+        inventory::publish(publisher, shutdown.clone()),
     );
     tasks.spawn("membercluster-status-writer", {
         let shutdown = shutdown.clone();

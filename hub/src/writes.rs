@@ -346,6 +346,11 @@ impl<K: Hash + Eq + Clone> Tracker<K> {
         Err((failure, retry))
     }
 
+    /// Try `key` again later, with the backoff of a failed write: returns when.
+    pub fn back_off(&mut self, key: &K, now: Instant) -> Duration {
+        self.retries.failed(key.clone(), now)
+    }
+
     /// The keys whose retry is due, and how long until the next one.
     pub fn due(&self, now: Instant) -> Vec<K> {
         self.retries.due(now)

@@ -149,6 +149,14 @@ fn crds_prints_the_checked_in_yaml() {
     ))
     .unwrap();
     assert_eq!(text(&out.stdout), checked_in);
+    let out = hub(&["crds", "--cluster-inventory"], None);
+    assert!(out.status.success());
+    let checked_in = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../crds/cluster-inventory-crds.yaml"
+    ))
+    .unwrap();
+    assert_eq!(text(&out.stdout), checked_in);
 }
 
 // The bad-input catalog, as `flotilla-hub render` shows it: one case per test, each

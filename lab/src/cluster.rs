@@ -39,7 +39,11 @@ pub async fn prepare(client: &Client, name: &str, provider: Provider) -> Result<
         || async { Ok(Some(client.apiserver_version().await?)) },
     )
     .await?;
-    install_crds(client).await?;
+    install_crds(client, flotilla_crds::crds()).await?;
+    if name == crate::HOST {
+        // The cluster inventory API, which the hub publishes ClusterProfiles into.
+        install_crds(client, flotilla_crds::inventory_crds()).await?;
+    }
     if provider == Provider::Local {
         fake_nodes(client, FAKE_NODES, node_cores(name)).await?;
     }
@@ -52,12 +56,12 @@ pub async fn prepare(client: &Client, name: &str, provider: Provider) -> Result<
     Ok(())
 }
 
-/// Applies the project's CRDs (the same objects as `crds/flotilla-crds.yaml`) and waits
-/// until the apiserver serves them.
-pub async fn install_crds(client: &Client) -> Result<()> {
+/// Applies CRDs (the project's: `flotilla_crds::crds()`, the same objects as
+/// `crds/flotilla-crds.yaml`) and waits until the apiserver serves them.
+pub async fn install_crds(client: &Client, crds: Vec<CustomResourceDefinition>) -> Result<()> {
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     let pp = PatchParams::apply(FIELD_MANAGER).force();
-    for crd in flotilla_crds::crds() {
+    for crd in crds {
         let name = crd.name_any();
         api.patch(&name, &pp, &Patch::Apply(&crd))
             .await
