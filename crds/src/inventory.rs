@@ -1,18 +1,22 @@
 //! The fleet in SIG-Multicluster's cluster inventory API (KEP-4322,
 //! `multicluster.x-k8s.io`): a `ClusterProfile` per MemberCluster, which Argo CD, Kueue's
 //! MultiKueue, Headlamp and others read to learn which clusters exist and whether they
-//! are healthy.
+//! are healthy, and `PlacementDecision`s naming the clusters each FederatedMyApp is
+//! placed on.
 //!
 //! These are Flotilla's own types for the fields it writes, serialized as the upstream
-//! API (`sigs.k8s.io/cluster-inventory-api`) defines them. The CRD built from them serves
-//! `v1alpha1` (stored) and `v1alpha2`, as the upstream CRD does since v0.2.0, for hosts
-//! that have none; where another cluster manager installed the upstream CRD already, the
-//! hub writes into that one.
+//! API (`sigs.k8s.io/cluster-inventory-api`) defines them. The CRDs built from them serve
+//! `v1alpha1` (stored) and `v1alpha2`, as the upstream CRDs do since v0.2.0, for hosts
+//! that have none; where another cluster manager installed the upstream CRDs already,
+//! the hub writes into those.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 
 pub const GROUP: &str = "multicluster.x-k8s.io";
 /// Label naming the cluster manager of a ClusterProfile; the value equals
@@ -115,3 +119,121 @@ cluster_profile!(v1alpha1, "v1alpha1");
 cluster_profile!(v1alpha2, "v1alpha2");
 
 pub use v1alpha1::{ClusterProfile, ClusterProfileSpec};
+
+/// The clusters a scheduler chose for one workload (`PlacementDecision`, v1alpha1): at
+/// most [`DECISIONS_PER_SLICE`] a slice, the slices of one decision linked by
+/// [`DECISION_KEY_LABEL`]. A data-only object: its fields are top-level, no spec.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PlacementDecision {
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    pub decisions: Vec<ClusterDecision>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduler_name: Option<String>,
+}
+
+/// One chosen cluster: a reference to its ClusterProfile, and why.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterDecision {
+    pub cluster_profile_ref: ObjectReference,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// Decisions in one PlacementDecision at most (the API's bound, after EndpointSlice).
+pub const DECISIONS_PER_SLICE: usize = 100;
+/// Label linking the slices of one decision.
+pub const DECISION_KEY_LABEL: &str = "multicluster.x-k8s.io/decision-key";
+/// Label giving a slice's position (from 0) when a decision spans several.
+pub const DECISION_INDEX_LABEL: &str = "multicluster.x-k8s.io/decision-index";
+/// Label linking a decision to the workload it places.
+pub const PLACEMENT_KEY_LABEL: &str = "multicluster.x-k8s.io/placement-key";
+
+impl kube::Resource for PlacementDecision {
+    type DynamicType = ();
+    type Scope = kube::core::NamespaceResourceScope;
+
+    fn kind(_: &()) -> std::borrow::Cow<'_, str> {
+        "PlacementDecision".into()
+    }
+    fn group(_: &()) -> std::borrow::Cow<'_, str> {
+        GROUP.into()
+    }
+    fn version(_: &()) -> std::borrow::Cow<'_, str> {
+        "v1alpha1".into()
+    }
+    fn plural(_: &()) -> std::borrow::Cow<'_, str> {
+        "placementdecisions".into()
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// The PlacementDecision CRD: `v1alpha1` (stored) and `v1alpha2`, one schema.
+pub fn placement_decision_crd() -> CustomResourceDefinition {
+    let reference = json!({
+        "type": "object",
+        "description": "The chosen cluster's ClusterProfile.",
+        "x-kubernetes-map-type": "atomic",
+        "properties": {
+            "apiVersion": {"type": "string"}, "kind": {"type": "string"},
+            "namespace": {"type": "string"}, "name": {"type": "string"},
+            "uid": {"type": "string"}, "resourceVersion": {"type": "string"},
+            "fieldPath": {"type": "string"},
+        },
+    });
+    let schema = json!({
+        "type": "object",
+        "description": "PlacementDecision publishes the set of clusters chosen by a scheduler at a point in time.",
+        "required": ["decisions"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "decisions": {
+                "type": "array", "minItems": 0, "maxItems": DECISIONS_PER_SLICE,
+                "items": {
+                    "type": "object", "required": ["clusterProfileRef"],
+                    "properties": {
+                        "clusterProfileRef": reference,
+                        "reason": {"type": "string", "description": "Why this cluster was chosen."},
+                    },
+                },
+            },
+            "schedulerName": {"type": "string"},
+        },
+    });
+    let version = |name: &str, storage: bool| {
+        json!({
+            "name": name, "served": true, "storage": storage,
+            "schema": {"openAPIV3Schema": schema},
+            "additionalPrinterColumns": [
+                {"name": "Scheduler", "type": "string", "jsonPath": ".schedulerName"},
+                {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+            ],
+        })
+    };
+    serde_json::from_value(json!({
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": format!("placementdecisions.{GROUP}")},
+        "spec": {
+            "group": GROUP,
+            "names": {
+                "kind": "PlacementDecision", "listKind": "PlacementDecisionList",
+                "plural": "placementdecisions", "singular": "placementdecision",
+                "categories": ["multicluster"],
+            },
+            "scope": "Namespaced",
+            "versions": [version("v1alpha1", true), version("v1alpha2", false)],
+        },
+    }))
+    .expect("the PlacementDecision CRD is a CRD")
+}

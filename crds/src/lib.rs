@@ -44,8 +44,8 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
 }
 
 /// The cluster inventory API's CRDs (`multicluster.x-k8s.io`), for a host where no other
-/// cluster manager installed them: ClusterProfile serves `v1alpha1` (stored) and
-/// `v1alpha2`.
+/// cluster manager installed them: ClusterProfile and PlacementDecision, each serving
+/// `v1alpha1` (stored) and `v1alpha2`.
 pub fn inventory_crds() -> Vec<CustomResourceDefinition> {
     let profile = kube::core::crd::merge_crds(
         vec![
@@ -55,7 +55,7 @@ pub fn inventory_crds() -> Vec<CustomResourceDefinition> {
         "v1alpha1",
     )
     .expect("the ClusterProfile versions share group, kind and scope");
-    vec![profile]
+    vec![profile, inventory::placement_decision_crd()]
 }
 
 /// The CRDs as one multi-document YAML stream, as checked in under `crds/`.

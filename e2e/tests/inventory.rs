@@ -2,25 +2,28 @@
 //! apiserver, written by the hub under deploy/hub's RBAC: a ClusterProfile per
 //! MemberCluster that shows its health, identity, version and labels, follows it when
 //! the member goes NotReady and back, is not rewritten while nothing changes, comes and
-//! goes with the registration, and never takes over another cluster manager's profile.
+//! goes with the registration, and never takes over another cluster manager's profile;
+//! and a PlacementDecision per FederatedMyApp that follows its placement.
 //! Needs a running environment (`cargo run -p flotilla-e2e -- up`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
+use flotilla_crds::FederatedMyApp;
 use flotilla_crds::MemberCluster;
 use flotilla_crds::inventory::{
     CLUSTER_MANAGER_LABEL, CONTROL_PLANE_HEALTHY, ClusterManager, ClusterProfile,
     ClusterProfileSpec, JOINED, MEMBER_ID_LABEL,
 };
+use flotilla_crds::inventory::{PLACEMENT_KEY_LABEL, PlacementDecision};
 use flotilla_e2e::converge;
 use flotilla_e2e::deletions::DeletionLog;
 use flotilla_lab::federation::{
     self, Federation, HUB_NAMESPACE, agent_name, region_of, wait_member_ready,
 };
-use flotilla_lab::{Env, HOST, await_object};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use flotilla_lab::{Env, HOST, await_object, wait_for};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 
@@ -177,24 +180,36 @@ async fn a_profile_comes_and_goes_with_the_registration_and_others_are_left_alon
                 .patch(name, &pp, &Patch::Apply(register(name, "a")))
                 .await?;
         }
-        let mc = members.get(probe).await?;
-        let registered = |p: Option<&ClusterProfile>| {
-            p.is_some_and(|p| {
-                condition(p, JOINED) == Some(("False".into(), "AwaitingAgent".into()))
-                    && healthy(p).as_deref() == Some("Unknown")
-                    && p.labels().get("team").map(String::as_str) == Some("a")
-                    && !p.labels().contains_key(MEMBER_ID_LABEL)
-                    && p.owner_references()
-                        .iter()
-                        .any(|o| Some(&o.uid) == mc.uid().as_ref())
-            })
+        let registered = |uid: Option<String>| {
+            move |p: Option<&ClusterProfile>| {
+                p.is_some_and(|p| {
+                    condition(p, JOINED) == Some(("False".into(), "AwaitingAgent".into()))
+                        // Unknown until the hub writes the MemberCluster NotReady.
+                        && healthy(p).as_deref() != Some("True")
+                        && p.labels().get("team").map(String::as_str) == Some("a")
+                        && !p.labels().contains_key(MEMBER_ID_LABEL)
+                        && p.owner_references().iter().any(|o| Some(&o.uid) == uid.as_ref())
+                })
+            }
         };
+        let what = "ClusterProfile inventory-probe, awaiting its agent";
+        let uid = members.get(probe).await?.uid();
+        await_object(&api, probe, TIMEOUT, what, registered(uid)).await?;
+        // Unjoined and joined again at once: the profile goes (the garbage collector may
+        // be first) and comes back, though this hub's cache may never have shown it gone.
+        members.delete(probe, &DeleteParams::default()).await?;
+        let gone = |p: Option<&ClusterProfile>| p.is_none();
+        await_object(&api, probe, TIMEOUT, "the probe's profile gone", gone).await?;
+        members
+            .patch(probe, &pp, &Patch::Apply(register(probe, "a")))
+            .await?;
+        let uid = members.get(probe).await?.uid();
         await_object(
             &api,
             probe,
             TIMEOUT,
-            "ClusterProfile inventory-probe, awaiting its agent",
-            registered,
+            "the probe's profile back",
+            registered(uid),
         )
         .await?;
         members
@@ -242,4 +257,86 @@ async fn a_profile_comes_and_goes_with_the_registration_and_others_are_left_alon
     let kept = api.get_opt(foreign).await?;
     ensure!(kept.is_none(), "cleanup left {foreign}");
     Ok(())
+}
+
+/// The clusters an app's PlacementDecision names, slice by slice; `None` before it has one.
+async fn decided(api: &Api<PlacementDecision>, app: &str) -> Result<Option<Vec<String>>> {
+    let selector = format!("{PLACEMENT_KEY_LABEL}={app}");
+    let slices = api.list(&ListParams::default().labels(&selector)).await?;
+    if slices.items.is_empty() {
+        return Ok(None);
+    }
+    let refs = slices.items.iter().flat_map(|s| &s.decisions);
+    let names = refs.map(|d| d.cluster_profile_ref.name.clone().unwrap_or_default());
+    Ok(Some(names.collect()))
+}
+
+#[tokio::test]
+async fn a_placement_decision_follows_the_placement() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let env = Env::load_ready().await?;
+    let host = env.client(HOST).await?;
+    let apps: Api<FederatedMyApp> = Api::namespaced(host.clone(), "default");
+    let decisions: Api<PlacementDecision> = Api::namespaced(host.clone(), "default");
+    let name = "inventory-placed";
+    let placed_on = |clusters: &[&str]| {
+        let clusters: Vec<_> = clusters.iter().map(|c| json!({"name": c})).collect();
+        json!({
+            "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"placement": {"clusters": clusters},
+                     "template": {"spec": {"replicas": 1, "image": "nginx:1.27"}}},
+        })
+    };
+    let pp = PatchParams::apply("e2e-inventory").force();
+    let expect = |want: Vec<&'static str>| {
+        let decisions = decisions.clone();
+        let what = format!("the PlacementDecision of {name} to name {want:?}");
+        async move {
+            wait_for(TIMEOUT, &what, || async {
+                let names = decided(&decisions, name).await?;
+                Ok(names.filter(|n| *n == want).map(|_| ()))
+            })
+            .await
+        }
+    };
+    let result = async {
+        apps.patch(name, &pp, &Patch::Apply(placed_on(&["cluster1"])))
+            .await?;
+        expect(vec!["cluster1"]).await?;
+        let log = DeletionLog::start(&env).await?;
+        apps.patch(
+            name,
+            &pp,
+            &Patch::Apply(placed_on(&["cluster1", "cluster2"])),
+        )
+        .await?;
+        expect(vec!["cluster1", "cluster2"]).await?;
+        let slice = decisions
+            .list(&ListParams::default().labels(&format!("{PLACEMENT_KEY_LABEL}={name}")))
+            .await?;
+        let slice = slice.items.first().context("a slice")?;
+        ensure!(
+            slice.scheduler_name.as_deref() == Some("flotilla"),
+            "scheduler: {slice:?}"
+        );
+        let profile = &slice.decisions[0].cluster_profile_ref;
+        ensure!(
+            profile.kind.as_deref() == Some("ClusterProfile")
+                && profile.namespace.as_deref() == Some(HUB_NAMESPACE),
+            "the decision does not name the cluster's ClusterProfile: {profile:?}"
+        );
+        converge::wait_converged(&env, TIMEOUT).await?;
+        log.assert_clean(&BTreeSet::new())
+    }
+    .await;
+    let _ = apps.delete(name, &DeleteParams::default()).await;
+    result?;
+    // The owner reference takes the decision with the app.
+    wait_for(
+        TIMEOUT,
+        "the PlacementDecision gone with its app",
+        || async { Ok(decided(&decisions, name).await?.is_none().then_some(())) },
+    )
+    .await
 }

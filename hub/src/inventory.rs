@@ -17,25 +17,31 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flotilla_crds::MemberCluster;
+use flotilla_common::listed::Listed;
 use flotilla_crds::inventory::{
     CLUSTER_MANAGER, CLUSTER_MANAGER_LABEL, CONTROL_PLANE_HEALTHY, ClusterManager, ClusterProfile,
-    ClusterProfileSpec, ClusterProfileStatus, ClusterVersion, JOINED, MEMBER_ID_LABEL, Property,
+    ClusterProfileSpec, ClusterProfileStatus, ClusterVersion, JOINED, MEMBER_ID_LABEL,
+    PlacementDecision, Property,
 };
+use flotilla_crds::{FederatedMyApp, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MemberCluster};
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::status::StatusBoard;
 use crate::writes::{Failure, Tracker, Write, WriteMetrics, digest};
+
+pub mod decisions;
 
 const KIND: &str = "clusterprofile";
 const FIELD_MANAGER: &str = "flotilla-hub-inventory";
@@ -50,6 +56,9 @@ const ROUND: Duration = Duration::from_secs(2);
 /// Profiles written per round at most, so that a first publication of a large fleet is
 /// spread out (two writes a new profile: the object, then its status).
 const WRITES_PER_ROUND: usize = 100;
+/// How long a profile this hub created may be missing from its cache before it is taken
+/// as deleted since.
+const CACHE_LAG: Duration = Duration::from_secs(10);
 /// How often a host that does not serve the API is asked again.
 const DISCOVERY_RETRY: Duration = Duration::from_secs(60);
 
@@ -312,85 +321,157 @@ pub struct Publisher {
     /// The inventory namespace; `None`: publish nothing.
     pub namespace: Option<String>,
     pub members: Store<MemberCluster>,
-    pub members_listed: flotilla_common::listed::Listed,
+    pub members_listed: Listed,
+    pub apps: Store<FederatedMyApp>,
+    pub apps_listed: Listed,
+    /// Where the plans are, and which apps' placements changed.
+    pub board: Arc<StatusBoard>,
     pub leading: watch::Receiver<bool>,
     pub metrics: WriteMetrics,
 }
 
-/// Publishes the profiles while this hub leads, once `members` has listed; returns at
-/// `shutdown`. Does nothing (after saying so) when disabled or the host does not serve
-/// the API.
+/// Publishes the ClusterProfiles and the PlacementDecisions while this hub leads, once
+/// the stores have listed; returns at `shutdown`. Each kind is left out (after saying
+/// so) when the host does not serve it, and both when publishing is off.
 pub async fn publish(publisher: Publisher, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let Publisher {
-        client,
-        namespace,
-        members,
-        members_listed,
-        mut leading,
-        metrics,
-    } = publisher;
-    let Some(namespace) = namespace else {
-        info!("cluster inventory: not publishing ClusterProfiles (--no-cluster-inventory)");
+    let Some(namespace) = publisher.namespace.clone() else {
+        info!("cluster inventory: not publishing (--no-cluster-inventory)");
         return Ok(());
     };
-    let api: Api<ClusterProfile> = Api::namespaced(client.clone(), &namespace);
+    let p = &publisher;
+    let profiles = async {
+        let api: Api<ClusterProfile> = Api::namespaced(p.client.clone(), &namespace);
+        if !served(&api, "clusterprofiles", &shutdown).await {
+            return Ok(());
+        }
+        info!(%namespace, "cluster inventory: publishing a ClusterProfile per MemberCluster");
+        let (profiles, listed, drain) = cache(api.clone(), watcher::Config::default());
+        let work = async {
+            let listed = p.members_listed.wait().await.is_ok() && listed.wait().await.is_ok();
+            if !listed {
+                return Ok(());
+            }
+            while_leading(p.leading.clone(), &shutdown, || {
+                let writer = Writer {
+                    api: api.clone(),
+                    namespace: namespace.clone(),
+                    metrics: p.metrics.clone(),
+                    gate: Gate::default(),
+                };
+                writer.run(&p.members, &profiles, &shutdown)
+            })
+            .await
+        };
+        tokio::select! {
+            () = drain => Ok(()),
+            r = work => r,
+        }
+    };
+    let decisions = async {
+        let api: Api<PlacementDecision> = Api::all(p.client.clone());
+        if !served(&api, "placementdecisions", &shutdown).await {
+            return Ok(());
+        }
+        info!("cluster inventory: publishing a PlacementDecision per FederatedMyApp");
+        let ours = format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}");
+        let (decisions, listed, drain) = cache(api, watcher::Config::default().labels(&ours));
+        let work = async {
+            let listed = p.apps_listed.wait().await.is_ok() && listed.wait().await.is_ok();
+            if !listed {
+                return Ok(());
+            }
+            while_leading(p.leading.clone(), &shutdown, || async {
+                decisions::write_while_leading(
+                    &p.client, &p.board, &p.apps, &decisions, &namespace, &p.metrics, &shutdown,
+                )
+                .await;
+                Ok(())
+            })
+            .await
+        };
+        tokio::select! {
+            () = drain => Ok(()),
+            r = work => r,
+        }
+    };
+    let (profiles, decisions): (anyhow::Result<()>, anyhow::Result<()>) =
+        tokio::join!(profiles, decisions);
+    profiles.and(decisions)
+}
+
+/// Waits until the host serves `api`'s resource; false at `shutdown`. A host without
+/// the CRD is said so once and asked again every minute.
+async fn served<K>(api: &Api<K>, plural: &str, shutdown: &CancellationToken) -> bool
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+{
     let mut said = false;
     loop {
-        match api
-            .list_metadata(&kube::api::ListParams::default().limit(1))
-            .await
-        {
-            Ok(_) => break,
+        match api.list_metadata(&ListParams::default().limit(1)).await {
+            Ok(_) => return true,
             Err(kube::Error::Api(e)) if e.code == 404 => {
                 if !said {
                     info!(
-                        "cluster inventory: the host does not serve clusterprofiles.multicluster.x-k8s.io; \
-                         no ClusterProfiles are published (`flotilla-hub crds --cluster-inventory` installs the CRD)"
+                        "cluster inventory: the host does not serve {plural}.multicluster.x-k8s.io; \
+                         none are published (`flotilla-hub crds --cluster-inventory` installs the CRDs)"
                     );
                     said = true;
                 }
             }
-            Err(e) => warn!(error = %e, "cluster inventory: asking the host for ClusterProfiles"),
+            Err(e) => warn!(error = %e, "cluster inventory: asking the host for {plural}"),
         }
         tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
+            _ = shutdown.cancelled() => return false,
             _ = tokio::time::sleep(DISCOVERY_RETRY) => {}
         }
     }
-    info!(%namespace, "cluster inventory: publishing a ClusterProfile per MemberCluster");
-    let (profiles, writer) = reflector::store();
-    let events = watcher(api.clone(), watcher::Config::default());
-    let (events, profiles_listed) =
+}
+
+/// A cache of `api`'s objects: the store, when it has listed, and the watch to drive.
+fn cache<K>(
+    api: Api<K>,
+    config: watcher::Config,
+) -> (Store<K>, Listed, impl std::future::Future<Output = ()>)
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store();
+    let events = watcher(api, config);
+    let (events, listed) =
         flotilla_common::listed::track(reflector::reflector(writer, events).default_backoff());
-    let drain = events.for_each(|_| async {});
-    let work = async {
-        if members_listed.wait().await.is_err() || profiles_listed.wait().await.is_err() {
-            return Ok(());
+    (store, listed, events.for_each(|_| async {}))
+}
+
+/// Runs `work` whenever this hub leads, dropping it when the lead is lost; returns what
+/// `work` returns, or at `shutdown`.
+async fn while_leading<F, W>(
+    mut leading: watch::Receiver<bool>,
+    shutdown: &CancellationToken,
+    mut work: W,
+) -> anyhow::Result<()>
+where
+    W: FnMut() -> F,
+    F: std::future::Future<Output = anyhow::Result<()>>,
+{
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            led = leading.wait_for(|l| *l) => { led?; }
         }
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                led = leading.wait_for(|l| *l) => { led?; }
-            }
-            let mut lost = leading.clone();
-            let lost = async move {
-                let _ = lost.wait_for(|l| !*l).await;
-            };
-            let writer = Writer {
-                api: api.clone(),
-                namespace: namespace.clone(),
-                metrics: metrics.clone(),
-                tracker: Tracker::default(),
-            };
-            tokio::select! {
-                _ = lost => continue,
-                r = writer.run(&members, &profiles, &shutdown) => return r,
-            }
+        let mut lost = leading.clone();
+        let lost = async move {
+            let _ = lost.wait_for(|l| !*l).await;
+        };
+        tokio::select! {
+            _ = lost => continue,
+            r = work() => return r,
         }
-    };
-    tokio::select! {
-        () = drain => Ok(()),
-        r = work => r,
     }
 }
 
@@ -398,7 +479,34 @@ struct Writer {
     api: Api<ClusterProfile>,
     namespace: String,
     metrics: WriteMetrics,
+    gate: Gate,
+}
+
+/// Which profiles may be written now.
+#[derive(Default)]
+struct Gate {
+    /// Backoff, and the versions around this hub's updates (see `crate::writes`).
     tracker: Tracker<String>,
+    /// When this hub last created each profile.
+    created: HashMap<String, Instant>,
+}
+
+impl Gate {
+    /// Whether the profile `name`, at `version` in the cache ("": not there), may be
+    /// written now. One the cache does not hold was created by this hub a moment ago
+    /// (the cache lags) or deleted by someone else since (the garbage collector, after
+    /// an unjoin): it is created again once the cache had time to show it.
+    fn may_write(&mut self, name: &str, version: &str, now: Instant) -> bool {
+        self.created.retain(|_, at| now - *at <= CACHE_LAG);
+        if !version.is_empty() {
+            return self.tracker.may_write(&name.to_owned(), version, now);
+        }
+        if self.created.contains_key(name) {
+            return false;
+        }
+        self.created.insert(name.to_owned(), now);
+        true
+    }
 }
 
 impl Writer {
@@ -428,14 +536,12 @@ impl Writer {
                     break;
                 }
                 let name = want.name_any();
-                if !self
-                    .tracker
-                    .may_write(&name, &cached(&name), Instant::now())
-                {
+                let version = cached(&name);
+                if !self.gate.may_write(&name, &version, Instant::now()) {
                     continue;
                 }
                 written += 1;
-                self.apply(want, cached(&name)).await;
+                self.apply(want, version).await;
             }
             for (name, uid) in round.delete {
                 self.delete(&name, uid).await;
@@ -477,7 +583,7 @@ impl Writer {
             patch: status,
             version,
         };
-        match self.tracker.settle(write, answer, Instant::now()) {
+        match self.gate.tracker.settle(write, answer, Instant::now()) {
             Ok(bytes) => {
                 debug!(cluster = %name, bytes, "ClusterProfile written");
                 self.metrics.written(KIND, bytes);
@@ -486,7 +592,7 @@ impl Writer {
                 self.metrics.result(KIND, failure.label());
                 if failure == Failure::Gone {
                     // Apply creates: a 404 is the namespace missing, worth a retry later.
-                    retry_in = Some(self.tracker.back_off(&name, Instant::now()));
+                    retry_in = Some(self.gate.tracker.back_off(&name, Instant::now()));
                 }
                 let error = match &failure {
                     Failure::Rejected(e) | Failure::Transient(e) => e.to_string(),
@@ -509,7 +615,7 @@ impl Writer {
         match self.api.delete(name, &dp).await {
             Ok(_) => {
                 info!(cluster = %name, "cluster inventory: ClusterProfile deleted (the MemberCluster is gone)");
-                self.tracker.forget(&name.to_owned());
+                self.gate.tracker.forget(&name.to_owned());
             }
             Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
             Err(e) => {

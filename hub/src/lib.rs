@@ -8,8 +8,10 @@
 //! writer of FederatedMyApp status), `membership` (MemberCluster watch, heartbeats and
 //! capacity → MemberCluster status), `writes` (what both status writers share: merge
 //! patches, the budget, backoff), `detail` (every cluster's status on demand: the HTTP
-//! endpoint and `flotilla-hub status`), `inventory` (a ClusterProfile per MemberCluster), `install` (what `join` prints), `run` (wiring only,
-//! with `flotilla_common::leader` choosing the leading replica), `cli`.
+//! endpoint and `flotilla-hub status`), `inventory` (the cluster inventory API: a
+//! ClusterProfile per MemberCluster, a PlacementDecision per app), `install` (what `join`
+//! prints), `run` (wiring only, with `flotilla_common::leader` choosing the leading
+//! replica), `cli`.
 //!
 //! Public only what the binary, the fan-out benchmark (`flotilla-bench`) and the
 //! `agent_message` fuzz target (`convert`) reach.

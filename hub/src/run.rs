@@ -187,6 +187,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     let (member_events, members_listed) = watch_all(&client, members_writer);
     let (inventory_members_listed, inventory_writes) = (members_listed.clone(), writes.clone());
     let (app_events, apps_listed) = watch_all(&client, apps_writer);
+    let inventory_apps_listed = apps_listed.clone();
     let (triggers, triggers_rx) = mpsc::unbounded_channel();
     let (applied, applied_rx) = mpsc::unbounded_channel();
 
@@ -288,6 +289,9 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         namespace: args.inventory.namespace(&args.tenancy.flotilla_namespace),
         members: members.clone(),
         members_listed: inventory_members_listed,
+        apps: apps.clone(),
+        apps_listed: inventory_apps_listed,
+        board: status.clone(),
         leading: leading.clone(),
         metrics: inventory_writes,
     };

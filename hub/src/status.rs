@@ -36,6 +36,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use crate::inventory::decisions::chosen;
 use crate::writes::{self, Budget, Failure, Tracker, Write, WriteMetrics};
 use flotilla_common::coalesce::Pending;
 
@@ -170,6 +171,8 @@ impl Snapshot {
 pub struct StatusBoard {
     board: Mutex<Board>,
     dirty: Pending<AppKey>,
+    /// Apps whose chosen clusters changed, for their PlacementDecisions.
+    pub placements: Pending<AppKey>,
 }
 
 impl StatusBoard {
@@ -177,11 +180,16 @@ impl StatusBoard {
     /// Event).
     pub fn set_plan(&self, key: &AppKey, plan: Planned) -> bool {
         let mut b = self.board.lock();
-        let before = b.plans.get(key).map(|p| p.errors()).unwrap_or_default();
+        let previous = b.plans.get(key);
+        let before = previous.map(|p| p.errors()).unwrap_or_default();
         let changed = before != plan.errors();
+        let moved = previous.is_none_or(|p| chosen(&p.plan) != chosen(&plan.plan));
         b.insert_plan(key, plan);
         drop(b);
         self.dirty.mark(key.clone());
+        if moved {
+            self.placements.mark(key.clone());
+        }
         changed
     }
 
@@ -242,6 +250,17 @@ impl StatusBoard {
         b.remove_plan(key);
         b.reports.remove(key);
         self.dirty.forget(key);
+        self.placements.forget(key);
+    }
+
+    /// The app's plan as the board holds it.
+    pub fn planned(&self, key: &AppKey) -> Option<Arc<Planned>> {
+        self.board.lock().plans.get(key).cloned()
+    }
+
+    /// Every app the board holds a plan for.
+    pub fn apps(&self) -> Vec<AppKey> {
+        self.board.lock().plans.keys().cloned().collect()
     }
 
     /// This hub no longer leads: the sessions it heard are gone, and a later lead starts

@@ -299,3 +299,24 @@ fn the_inventory_namespace_is_flotillas_own_unless_named_or_off() {
     assert_eq!(ns(args(Some("fleet"), false)).as_deref(), Some("fleet"));
     assert_eq!(ns(args(Some("fleet"), true)), None);
 }
+
+#[test]
+fn a_profile_deleted_behind_the_hubs_back_is_created_again_after_the_cache_lag() {
+    let mut gate = Gate::default();
+    let t0 = Instant::now();
+    assert!(gate.may_write("p", "", t0));
+    // Created: the apiserver answered with version 1.
+    let write = Write {
+        key: "p".to_owned(),
+        patch: Value::Null,
+        version: String::new(),
+        digest: 0,
+    };
+    assert!(gate.tracker.settle(write, Ok(("1".into(), 10)), t0).is_ok());
+    // The cache has not shown it yet: not again.
+    assert!(!gate.may_write("p", "", t0 + Duration::from_secs(1)));
+    // It never shows it (the garbage collector deleted it first): created again.
+    assert!(gate.may_write("p", "", t0 + CACHE_LAG + Duration::from_secs(1)));
+    // An update against the version the cache shows goes through.
+    assert!(gate.may_write("p", "1", t0 + CACHE_LAG + Duration::from_secs(2)));
+}

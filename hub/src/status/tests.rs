@@ -339,3 +339,36 @@ async fn a_failing_app_waits_for_its_backoff() {
     );
     assert_eq!(round.tracker.due(now + writes::RETRY_FIRST), [key]);
 }
+
+#[tokio::test]
+async fn placements_are_marked_only_when_the_chosen_clusters_change() {
+    let board = StatusBoard::default();
+    let key = AppKey::new("ns", "a");
+    let taken = || async {
+        let stop = CancellationToken::new();
+        let wait = Some(Duration::from_millis(1));
+        board
+            .placements
+            .take(Duration::ZERO, wait, &stop)
+            .await
+            .unwrap()
+    };
+    board.set_plan(&key, plan(&[("c1", rendered("h1"))]));
+    assert_eq!(taken().await, vec![key.clone()]);
+    // A new version on the same clusters moves no placement.
+    board.set_plan(&key, plan(&[("c1", rendered("h2"))]));
+    assert_eq!(taken().await, vec![]);
+    board.set_plan(
+        &key,
+        plan(&[("c1", rendered("h2")), ("c2", rendered("h2"))]),
+    );
+    assert_eq!(taken().await, vec![key.clone()]);
+    board.set_plan(
+        &key,
+        plan(&[
+            ("c1", rendered("h2")),
+            ("c2", ClusterPlan::Keep(KeepReason::FailedOver)),
+        ]),
+    );
+    assert_eq!(taken().await, vec![key]);
+}
