@@ -4,6 +4,7 @@
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -269,6 +270,11 @@ pub struct JoinArgs {
     /// disconnected); its labels are kept.
     #[arg(long)]
     pub rotate: bool,
+    /// How long the token is valid. The hub renews it over the agent's session before it
+    /// expires (see the hub's --token-lifetime); an agent that has not connected by then
+    /// needs `join --rotate`.
+    #[arg(long, default_value = "30d", value_parser = crate::run::parse_lifetime)]
+    pub token_lifetime: Duration,
     /// Where the member's agent dials the hub, HOST:PORT. Default: the external address
     /// of the LoadBalancer Service flotilla-system/flotilla-hub.
     #[arg(long, value_name = "HOST:PORT")]
@@ -387,6 +393,7 @@ pub async fn join(kube: &KubeArgs, args: &JoinArgs) -> anyhow::Result<()> {
     let api: Api<flotilla_crds::MemberCluster> = Api::all(client);
     let labels: BTreeMap<_, _> = args.labels.iter().cloned().collect();
     let hash = crate::auth::token_sha256(token.expose_secret());
+    let expires = crate::auth::expiry(Timestamp::now(), args.token_lifetime).to_string();
     let existing = api
         .get_opt(&args.name)
         .await
@@ -397,7 +404,7 @@ pub async fn join(kube: &KubeArgs, args: &JoinArgs) -> anyhow::Result<()> {
                 "apiVersion": "core.kubefed.io/v1beta1",
                 "kind": "MemberCluster",
                 "metadata": {"name": args.name, "labels": labels},
-                "spec": {"tokenSha256": hash},
+                "spec": {"tokenSha256": hash, "tokenExpiresAt": expires},
             }))?;
             let params = PostParams {
                 field_manager: Some(JOIN_MANAGER.into()),
@@ -414,8 +421,9 @@ pub async fn join(kube: &KubeArgs, args: &JoinArgs) -> anyhow::Result<()> {
             name = args.name
         ),
         Some(_) => {
-            // A merge patch: the labels given are set, every other label stays.
-            let mut patch = serde_json::json!({"spec": {"tokenSha256": hash}});
+            // A merge patch: the labels given are set, every other label stays. A renewal
+            // under way is dropped: only the new token is accepted.
+            let mut patch = rotate_patch(&hash, &expires);
             if !labels.is_empty() {
                 patch["metadata"] = serde_json::json!({"labels": labels});
             }
@@ -457,6 +465,16 @@ pub async fn join(kube: &KubeArgs, args: &JoinArgs) -> anyhow::Result<()> {
         (None, _, None) => unreachable!("without --token-file the install is rendered"),
     }
     Ok(())
+}
+
+/// What `join --rotate` writes into the MemberCluster's spec: the new token alone.
+fn rotate_patch(hash: &str, expires: &str) -> Value {
+    serde_json::json!({"spec": {
+        "tokenSha256": hash,
+        "tokenExpiresAt": expires,
+        "nextTokenSha256": null,
+        "nextTokenExpiresAt": null,
+    }})
 }
 
 /// The external address of the hub's LoadBalancer Service.
@@ -519,7 +537,14 @@ pub async fn revoke(kube: &KubeArgs, args: &RevokeArgs) -> anyhow::Result<()> {
 async fn revoke_member(client: &kube::Client, name: &str) -> anyhow::Result<()> {
     use kube::api::{Api, Patch, PatchParams};
     let api: Api<flotilla_crds::MemberCluster> = Api::all(client.clone());
-    let patch = serde_json::json!({"spec": {"tokenSha256": null}});
+    // The next token of a renewal under way goes too (it is refused without a current
+    // one, and nothing should be left to resurrect).
+    let patch = serde_json::json!({"spec": {
+        "tokenSha256": null,
+        "tokenExpiresAt": null,
+        "nextTokenSha256": null,
+        "nextTokenExpiresAt": null,
+    }});
     api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .with_context(|| format!("revoking MemberCluster {name}"))?;
@@ -751,7 +776,8 @@ mod tests {
             spec,
             MemberClusterSpec {
                 token_sha256: Some("ab".into()),
-                unschedulable: false
+                unschedulable: false,
+                ..Default::default()
             }
         );
     }

@@ -198,6 +198,8 @@ pub enum Refusal {
     SecondSession,
     /// A credential revoked while its session waited for Hello or the plan.
     RevokedWhileAdmitted,
+    /// A token past its expiry.
+    TokenExpired,
 }
 
 impl Refusal {
@@ -208,6 +210,7 @@ impl Refusal {
             Refusal::MessageTooLarge => "message_too_large",
             Refusal::SecondSession => "second_session",
             Refusal::RevokedWhileAdmitted => "revoked_while_admitted",
+            Refusal::TokenExpired => "token_expired",
         }
     }
 }

@@ -30,6 +30,7 @@ use crate::dispatch::Dispatcher;
 use crate::edge::{EdgeLimits, RefusalMetrics};
 use crate::membership::{self, Membership};
 use crate::planner::{self, Planner};
+use crate::renew::{RenewalMetrics, Renewer};
 use crate::server::{self, FederationService};
 use crate::status::{StatusBoard, StatusWriter};
 use crate::writes::WriteMetrics;
@@ -64,6 +65,10 @@ pub struct RunArgs {
     /// when it moved by 5 % and one default request, or a node came or went).
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pub capacity_write_interval: Duration,
+    /// How long an agent token is valid. The hub renews it over the agent's session with
+    /// a third of this left; a token past it is refused (`join --rotate` issues a new one).
+    #[arg(long, default_value = "30d", value_parser = parse_lifetime, env = "FLOTILLA_TOKEN_LIFETIME")]
+    pub token_lifetime: Duration,
     /// Names this instance in Events (the pod name in a cluster).
     #[arg(long, env = "POD_NAME")]
     pub instance: Option<String>,
@@ -73,6 +78,15 @@ pub struct RunArgs {
     pub tenancy: TenancyArgs,
     #[command(flatten)]
     pub leader: leader::LeaderArgs,
+}
+
+/// A token lifetime: at least 3 s, so that its last third is more than a tick or two.
+pub fn parse_lifetime(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d < Duration::from_secs(3) {
+        return Err(format!("{s}: a token lifetime is at least 3s"));
+    }
+    Ok(d)
 }
 
 impl RunArgs {
@@ -154,6 +168,8 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     writes.register(metrics.registry_mut());
     let refusals = RefusalMetrics::default();
     refusals.register(metrics.registry_mut());
+    let renewals = RenewalMetrics::default();
+    renewals.register(metrics.registry_mut());
     let metrics = Arc::new(metrics);
     let status = Arc::new(StatusBoard::default());
     let membership = Arc::new(
@@ -250,7 +266,16 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
             shutdown.clone(),
         ),
     );
+    let renewer = Arc::new(Renewer::new(
+        Api::all(client.clone()),
+        members.clone(),
+        dispatcher.clone(),
+        args.token_lifetime,
+        renewals,
+    ));
+    tasks.spawn("token-renewal", renewer.clone().run(shutdown.clone()));
     let service = FederationService {
+        renewer,
         dispatcher,
         status: status.clone(),
         membership: membership.clone(),

@@ -78,6 +78,19 @@ impl Hub {
             dispatcher: dispatcher.clone(),
             status: Arc::new(StatusBoard::default()),
             membership: Arc::new(Membership::new(Duration::from_secs(60))),
+            // Its renewal loop is not run: tokens are not renewed here.
+            renewer: Arc::new(flotilla_hub::renew::Renewer::new(
+                kube::Api::all(
+                    kube::Client::try_from(kube::Config::new(
+                        "http://127.0.0.1:1".parse().unwrap(),
+                    ))
+                    .unwrap(),
+                ),
+                store.clone(),
+                dispatcher.clone(),
+                Duration::from_secs(3600),
+                Default::default(),
+            )),
             members: store,
             leading,
             recorder: kube::runtime::events::Recorder::new(
