@@ -783,6 +783,27 @@ mod tests {
     }
 
     #[test]
+    fn rotation_leaves_only_the_new_token() {
+        let mut member = serde_json::json!({"spec": {
+            "tokenSha256": "old", "tokenExpiresAt": "2026-01-01T00:00:00Z",
+            "nextTokenSha256": "next", "nextTokenExpiresAt": "2026-02-01T00:00:00Z",
+            "unschedulable": true,
+        }});
+        json_patch::merge(&mut member, &rotate_patch("new", "2027-01-01T00:00:00Z"));
+        let spec: MemberClusterSpec = serde_json::from_value(member["spec"].clone()).unwrap();
+        assert_eq!(spec.token_sha256.as_deref(), Some("new"));
+        assert_eq!(
+            spec.token_expires_at.map(|t| t.0.to_string()).as_deref(),
+            Some("2027-01-01T00:00:00Z")
+        );
+        assert_eq!(
+            (spec.next_token_sha256, spec.next_token_expires_at),
+            (None, None)
+        );
+        assert!(spec.unschedulable, "nothing else changes");
+    }
+
+    #[test]
     fn members_carry_cordon_readiness_and_capacity() {
         let now: Timestamp = "2025-01-01T01:00:00Z".parse().unwrap();
         let yaml = "- metadata: {name: a, labels: {region: eu}}\n  spec: {unschedulable: true}\n\
