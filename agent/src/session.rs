@@ -213,9 +213,13 @@ async fn one_session(
     });
     let result = sync::carry_out(commands, applier, &collector, config.concurrency, &notices).await;
     reporter.abort();
-    storer.abort();
+    // Never aborted mid-store: the next dial reads the token after every store of this
+    // session has finished, so the hub may take the token it sees as the one held.
+    let _ = storer.await;
     result.map_err(SessionError::Stream)
 }
+
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Stores each token the hub renews, then answers with its hash (or why it could not be
 /// stored: the hub then keeps the current token valid and tries again later).
@@ -243,8 +247,11 @@ async fn store_renewals(
                 error,
             })),
         };
-        if tx.send(answer).await.is_err() {
-            return;
+        // An answer the hub does not read within the heartbeat's order of time is lost
+        // with its session; the hub sends the token again.
+        match tokio::time::timeout(ANSWER_TIMEOUT, tx.send(answer)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) | Err(_) => return,
         }
     }
 }

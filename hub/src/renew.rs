@@ -12,9 +12,12 @@
 //!    old one is accepted no more.
 //!
 //! A crash anywhere leaves the agent a token the hub accepts: before 3 the current one
-//! is still accepted (a later tick, or the next hub, renews again and overwrites the
-//! unacknowledged next hash); an agent that stored the new token and restarted opens a
-//! session with it, which promotes it (step 3) the same way. A session whose token expired
+//! is still accepted; an agent that stored the new token and restarted opens a session
+//! with it, which promotes it (step 3) the same way. Once sent, a next token is never
+//! replaced while the agent may hold it: an unanswered one is sent again (on this or the
+//! agent's next session), not swapped for another. Only a next hub, which never sent it,
+//! stages a new one, after the agent opened its session with the current token (the
+//! agent finishes every store before it dials again). A session whose token expired
 //! (an agent that could not store a renewal) is ended; its agent is refused with the
 //! error naming `join --rotate`.
 
@@ -33,7 +36,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
-use secrecy::ExposeSecret;
+use secrecy::{ExposeSecret, SecretString};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -41,10 +44,15 @@ use tracing::{info, warn};
 use crate::auth::{self, NotAccepted, Renewal};
 use crate::dispatch::{ClusterQueue, Dispatcher};
 
-/// A renewal sent to one session and not yet settled.
+/// A token recorded as a cluster's next one and sent, not yet made current. Kept so
+/// that a retry sends the same token again: once sent, the agent may hold it, so it is
+/// never replaced by another while it can still be (see [`Renewer::step`]).
 struct Pending {
+    /// The session it was last sent on.
     session: u64,
     hash: String,
+    token: SecretString,
+    expires: Timestamp,
     sent: Instant,
     /// The agent said it stored the token.
     acked: bool,
@@ -75,6 +83,15 @@ impl RenewalMetrics {
     fn count(&self, result: &'static str) {
         self.renewals.get_or_create(&ResultLabels { result }).inc();
     }
+}
+
+enum Staged {
+    /// Nothing staged by this hub that the MemberCluster still names: stage a new token.
+    None,
+    /// Sent on this session recently: wait for the answer.
+    InFlight,
+    /// Sent, unanswered or refused, or sent on an earlier session: send it again.
+    Resend,
 }
 
 pub struct Renewer {
@@ -138,9 +155,9 @@ impl Renewer {
             .map(|q| (q.cluster().to_owned(), q.id()))
             .collect();
         let live_session = |cluster: &String, session: u64| live.get(cluster) == Some(&session);
-        self.pending
-            .lock()
-            .retain(|cluster, p| live_session(cluster, p.session));
+        // Kept until it expires, not until its session ends: the agent may hold it.
+        let now = Timestamp::now();
+        self.pending.lock().retain(|_, p| now < p.expires);
         self.warned
             .lock()
             .retain(|cluster, session| live_session(cluster, *session));
@@ -178,21 +195,51 @@ impl Renewer {
                     }
                     return;
                 }
-                if self.in_flight(session) {
-                    return;
+                match self.staged(session, &member) {
+                    Staged::InFlight => {}
+                    Staged::Resend => self.resend(session),
+                    Staged::None => self.renew(session, &member).await,
                 }
-                self.renew(session, &member).await;
             }
         }
     }
 
-    /// Whether a renewal sent to this session is recent enough to wait for its answer.
-    fn in_flight(&self, session: &ClusterQueue) -> bool {
+    /// What became of the token this hub last staged for the session's cluster. A token
+    /// staged and sent is sent again rather than replaced while the MemberCluster still
+    /// names it: the agent may have stored it without its answer arriving (a session that
+    /// ended, an answer in flight), and replacing it would leave that agent with a token
+    /// no longer accepted. A token staged by an earlier hub is replaced: this hub cannot
+    /// send it, and the agent opened its session with the current one, which it reads
+    /// after every store of the session before has finished (the agent waits for them).
+    fn staged(&self, session: &ClusterQueue, member: &MemberCluster) -> Staged {
         let retry = (self.lifetime / 20).clamp(Duration::from_secs(1), Duration::from_secs(300));
-        self.pending
-            .lock()
-            .get(session.cluster())
-            .is_some_and(|p| p.session == session.id() && p.sent.elapsed() < retry)
+        let pending = self.pending.lock();
+        let Some(p) = pending.get(session.cluster()) else {
+            return Staged::None;
+        };
+        let named = member.spec.next_token_sha256.as_deref() == Some(p.hash.as_str());
+        if !named || Timestamp::now() >= p.expires {
+            Staged::None
+        } else if p.session == session.id() && p.sent.elapsed() < retry {
+            Staged::InFlight
+        } else {
+            Staged::Resend
+        }
+    }
+
+    /// Sends the staged token again, on this session.
+    fn resend(&self, session: &ClusterQueue) {
+        let mut pending = self.pending.lock();
+        let Some(p) = pending.get_mut(session.cluster()) else {
+            return;
+        };
+        (p.session, p.sent, p.acked) = (session.id(), Instant::now(), false);
+        session.renew_token(pb::RenewToken {
+            token: p.token.expose_secret().to_owned(),
+            expires_at_unix: p.expires.as_second(),
+        });
+        self.metrics.count("sent");
+        info!(cluster = %session.cluster(), expires = %p.expires, "renewed token sent to the agent again");
     }
 
     /// Records a new token as the cluster's next one, then sends it to the agent.
@@ -220,6 +267,8 @@ impl Renewer {
             Pending {
                 session: session.id(),
                 hash,
+                token: token.clone(),
+                expires,
                 sent: Instant::now(),
                 acked: false,
             },
@@ -323,5 +372,127 @@ impl Renewer {
             .patch(cluster, &PatchParams::default(), &Patch::Json::<()>(patch))
             .await
             .map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_crds::MemberClusterSpec;
+    use k8s_openapi::jiff::SignedDuration;
+    use kube::runtime::reflector;
+
+    use crate::auth::Identity;
+
+    fn renewer(dispatcher: Arc<Dispatcher>) -> Renewer {
+        let client =
+            kube::Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap()))
+                .unwrap();
+        let (store, _) = reflector::store::<MemberCluster>();
+        Renewer::new(
+            Api::all(client),
+            store,
+            dispatcher,
+            Duration::from_secs(90),
+            RenewalMetrics::default(),
+        )
+    }
+
+    fn member(next: Option<&str>) -> MemberCluster {
+        let mut m = MemberCluster::new(
+            "paris",
+            MemberClusterSpec {
+                token_sha256: Some("h1".into()),
+                next_token_sha256: next.map(str::to_owned),
+                ..Default::default()
+            },
+        );
+        m.metadata.name = Some("paris".into());
+        m
+    }
+
+    fn session(d: &Dispatcher) -> Arc<ClusterQueue> {
+        d.planned_for(["paris".to_owned()].into());
+        let identity = Identity {
+            cluster: "paris".into(),
+            token_hash: "h1".into(),
+        };
+        d.connect(&identity, &Default::default()).unwrap()
+    }
+
+    fn stage(r: &Renewer, session: &ClusterQueue, hash: &str, expires: Timestamp) {
+        r.pending.lock().insert(
+            "paris".into(),
+            Pending {
+                session: session.id(),
+                hash: hash.into(),
+                token: "paris.t2".into(),
+                expires,
+                sent: Instant::now(),
+                acked: false,
+            },
+        );
+    }
+
+    /// Once sent, a next token may be held by the agent: it is sent again, never
+    /// replaced, while the MemberCluster names it and it has not expired.
+    #[tokio::test]
+    async fn a_sent_token_is_sent_again_rather_than_replaced() {
+        let d = Arc::new(Dispatcher::default());
+        let r = renewer(d.clone());
+        let first = session(&d);
+        assert!(matches!(r.staged(&first, &member(None)), Staged::None));
+        let later = Timestamp::now() + SignedDuration::from_secs(60);
+        stage(&r, &first, "h2", later);
+        assert!(matches!(
+            r.staged(&first, &member(Some("h2"))),
+            Staged::InFlight
+        ));
+        // The session ended unanswered; the next one gets the same token.
+        d.close("paris");
+        let second = session(&d);
+        assert!(matches!(
+            r.staged(&second, &member(Some("h2"))),
+            Staged::Resend
+        ));
+        r.resend(&second);
+        let sent = second.next_batch(10).await;
+        let token = sent.iter().find_map(|m| match &m.kind {
+            Some(pb::hub_message::Kind::RenewToken(t)) => Some(t.token.clone()),
+            _ => None,
+        });
+        assert_eq!(token.as_deref(), Some("paris.t2"));
+        assert!(matches!(
+            r.staged(&second, &member(Some("h2"))),
+            Staged::InFlight
+        ));
+        // Replaced only once the MemberCluster no longer names it (a rotation, a
+        // revocation, an earlier hub's stage overwritten), or once it expired.
+        assert!(matches!(
+            r.staged(&second, &member(Some("h9"))),
+            Staged::None
+        ));
+        assert!(matches!(r.staged(&second, &member(None)), Staged::None));
+        stage(
+            &r,
+            &second,
+            "h2",
+            Timestamp::now() - SignedDuration::from_secs(1),
+        );
+        assert!(matches!(
+            r.staged(&second, &member(Some("h2"))),
+            Staged::None
+        ));
+    }
+
+    #[tokio::test]
+    async fn the_tick_is_a_tenth_of_the_lifetime_within_bounds() {
+        let d = Arc::new(Dispatcher::default());
+        let mut r = renewer(d);
+        assert_eq!(r.tick(), Duration::from_secs(9));
+        r.lifetime = Duration::from_secs(30 * 24 * 3600);
+        assert_eq!(r.tick(), Duration::from_secs(60));
+        r.lifetime = Duration::from_secs(1);
+        assert_eq!(r.tick(), Duration::from_millis(200));
     }
 }
