@@ -201,7 +201,8 @@ pub async fn serve(role: Role, size: Size) -> Result<()> {
     size.check()?;
     let cert = std::env::var(CERT_VAR).with_context(|| format!("{CERT_VAR} is not set"))?;
     let key = std::env::var(KEY_VAR).with_context(|| format!("{KEY_VAR} is not set"))?;
-    let identity = Identity::from_pem(cert, key);
+    let identity = Identity::from_pem(&cert, &key);
+    let identity_pem = (cert, key);
     let addr: SocketAddr = flotilla_lab::support::free_addr()?.parse()?;
     let shutdown = CancellationToken::new();
     let start = Instant::now();
@@ -214,7 +215,11 @@ pub async fn serve(role: Role, size: Size) -> Result<()> {
             apps = planned;
             tokio::spawn(flotilla_hub::server::serve(
                 addr,
-                identity,
+                flotilla_hub::serving::ServingCert::from_pem(
+                    identity_pem.0.as_bytes(),
+                    identity_pem.1.as_bytes(),
+                )?
+                .server_config(),
                 Default::default(),
                 service,
                 shutdown.clone(),

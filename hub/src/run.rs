@@ -22,7 +22,6 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client};
 use tokio::sync::{mpsc, watch};
-use tonic::transport::Identity;
 
 use crate::controller::{self, Context, Notices};
 use crate::detail;
@@ -32,6 +31,7 @@ use crate::membership::{self, Membership};
 use crate::planner::{self, Planner};
 use crate::renew::{RenewalMetrics, Renewer};
 use crate::server::{self, FederationService};
+use crate::serving::ServingCert;
 use crate::status::{StatusBoard, StatusWriter};
 use crate::writes::WriteMetrics;
 
@@ -43,11 +43,16 @@ pub struct RunArgs {
     /// Address of /healthz, /readyz and /metrics.
     #[arg(long, default_value = "0.0.0.0:8080", env = "FLOTILLA_HTTP_ADDR")]
     pub http_addr: SocketAddr,
-    /// PEM certificate the gRPC server presents (see `flotilla-hub certs`).
+    /// PEM certificate the gRPC server presents (see `flotilla-hub certs`). Read again when
+    /// it or the key changes (a mounted Secret that cert-manager renews): new connections
+    /// get the new one, open sessions keep theirs.
     #[arg(long, env = "FLOTILLA_TLS_CERT")]
     pub tls_cert: PathBuf,
     #[arg(long, env = "FLOTILLA_TLS_KEY")]
     pub tls_key: PathBuf,
+    /// How often the certificate and key files are read for a change.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub tls_reload_interval: Duration,
     /// A MemberCluster turns NotReady after this long without a heartbeat.
     #[arg(long, default_value = "40s", value_parser = humantime::parse_duration)]
     pub heartbeat_grace: Duration,
@@ -152,12 +157,9 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     // A standby stays warm (stores listed, every app planned) and ready, but writes
     // nothing and serves no agent: only the leader does (the Service routes to it).
     let (leading, campaign) = leader::elect(config, &args.leader, leader::HUB, shutdown.clone())?;
-    let tls = Identity::from_pem(
-        std::fs::read(&args.tls_cert)
-            .with_context(|| format!("reading {}", args.tls_cert.display()))?,
-        std::fs::read(&args.tls_key)
-            .with_context(|| format!("reading {}", args.tls_key.display()))?,
-    );
+    let serving = ServingCert::load(args.tls_cert.clone(), args.tls_key.clone())
+        .context("loading the serving certificate")?;
+    let tls = serving.server_config();
 
     let dispatcher = Arc::new(Dispatcher::default());
     let mut metrics = Metrics::default();
@@ -285,6 +287,13 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         admissions: Default::default(),
         refusals,
     };
+    tasks.spawn("serving-certificate-reload", {
+        let (serving, shutdown) = (serving.clone(), shutdown.clone());
+        async move {
+            serving.watch(args.tls_reload_interval, shutdown).await;
+            Ok(())
+        }
+    });
     tasks.spawn(
         "grpc",
         server::serve(args.grpc_addr, tls, args.edge, service, shutdown.clone()),

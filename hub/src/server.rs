@@ -21,7 +21,6 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Identity;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
@@ -64,7 +63,7 @@ pub struct FederationService {
 /// that agents reconnect to the next hub instead of holding on to this one.
 pub async fn serve(
     addr: SocketAddr,
-    tls: Identity,
+    tls: Arc<rustls::ServerConfig>,
     limits: EdgeLimits,
     service: FederationService,
     shutdown: CancellationToken,
@@ -94,10 +93,9 @@ pub async fn serve(
         }
         dispatcher.close_all();
     };
-    edge::server(&limits, tls)
-        .context("configuring TLS")?
+    edge::server(&limits)
         .add_service(edge::federation(service))
-        .serve_with_incoming_shutdown(edge::incoming(listener, limits.max_agent_connections), stop)
+        .serve_with_incoming_shutdown(edge::incoming(listener, &limits, tls), stop)
         .await
         .with_context(|| format!("serving gRPC on {addr}"))
 }
