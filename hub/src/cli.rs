@@ -258,7 +258,14 @@ pub fn parse_members(yaml: &str, now: Timestamp) -> anyhow::Result<Members> {
     Ok(members)
 }
 
+/// Where `join` puts the credential: a file, always, unless `--stdout` says otherwise.
 #[derive(clap::Args, Debug)]
+#[command(group(
+    clap::ArgGroup::new("destination")
+        .required(true)
+        .multiple(false)
+        .args(["output", "token_file", "stdout"])
+))]
 pub struct JoinArgs {
     /// The member cluster's name (a DNS-1123 subdomain).
     pub name: String,
@@ -290,19 +297,18 @@ pub struct JoinArgs {
     /// The agent's image (default: deploy/base's).
     #[arg(long)]
     pub agent_image: Option<String>,
-    /// Write the member install here (mode 0600, it holds the credential) instead of
-    /// standard output.
-    #[arg(
-        short = 'o',
-        long = "output",
-        value_name = "FILE",
-        conflicts_with = "token_file"
-    )]
+    /// Write the member install here (mode 0600, it holds the credential). One of -o,
+    /// --token-file and --stdout is required.
+    #[arg(short = 'o', long = "output", value_name = "FILE")]
     pub output: Option<PathBuf>,
     /// Issue the token only and write it here (mode 0600), no install: for installs kept
     /// elsewhere (deploy/overlays/member).
     #[arg(long, value_name = "FILE")]
     pub token_file: Option<PathBuf>,
+    /// Print the member install, credential included, to standard output (e.g. piped
+    /// straight into `kubectl apply -f -` for the member).
+    #[arg(long)]
+    pub stdout: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -720,10 +726,23 @@ mod join_tests {
     }
 
     #[test]
+    fn join_prints_the_install_only_when_asked() {
+        let Command::Join(args) = parse(&["join", "paris", "--stdout"]).unwrap().command else {
+            panic!("parsed as join")
+        };
+        assert!(args.stdout);
+        assert_eq!((args.output, args.token_file), (None, None));
+    }
+
+    #[test]
     fn join_refuses_what_cannot_work() {
         for bad in [
             &["join", "paris", "--label", "region"][..],
             &["join", "paris", "-o", "a.yaml", "--token-file", "t"][..],
+            // The credential goes to a file unless printing it is asked for.
+            &["join", "paris"][..],
+            &["join", "paris", "-o", "a.yaml", "--stdout"][..],
+            &["join", "paris", "--token-file", "t", "--stdout"][..],
             &["join"][..],
             &["unjoin", "paris", "--member-context", "paris"][..],
         ] {
