@@ -8,6 +8,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The manifest is rendered once and shared by every push: Bytes, not Vec<u8>.
     tonic_prost_build::configure()
         .bytes(".flotilla.federation.v1.Apply.manifest")
+        // It carries a token: its Debug (lib.rs) prints it redacted.
+        .skip_debug([".flotilla.federation.v1.RenewToken"])
         .compile_fds(descriptors)?;
     Ok(())
 }

@@ -13,6 +13,7 @@ use k8s_openapi::jiff::SignedDuration;
 use crate::operator::{Namespaces, OperatorConfig};
 use crate::session::SessionConfig;
 use crate::tenancy::Guard;
+use crate::token::TokenStore;
 use crate::webhook::WebhookConfig;
 use crate::webhook::crd::Endpoint;
 use flotilla_common::kubeconfig::KubeArgs;
@@ -65,9 +66,19 @@ pub struct RunArgs {
     /// This member cluster's name, as registered with `flotilla-hub join`.
     #[arg(long, env = "FLOTILLA_CLUSTER")]
     pub cluster: String,
-    /// File holding the token `flotilla-hub join` issued.
-    #[arg(long, env = "FLOTILLA_TOKEN_FILE")]
-    pub token_file: PathBuf,
+    /// File holding the token `flotilla-hub join` issued; a token the hub renews is
+    /// written back to it (atomically, mode 0600). Ignored with --token-secret.
+    #[arg(
+        long,
+        env = "FLOTILLA_TOKEN_FILE",
+        required_unless_present = "token_secret"
+    )]
+    pub token_file: Option<PathBuf>,
+    /// Secret (in --flotilla-namespace) whose `token` key holds the token: read before
+    /// every dial, and where a token the hub renews is stored (needs get and patch on
+    /// that one Secret).
+    #[arg(long, env = "FLOTILLA_TOKEN_SECRET")]
+    pub token_secret: Option<String>,
     /// PEM of the CA that signed the hub's certificate.
     #[arg(long, env = "FLOTILLA_HUB_CA_FILE")]
     pub hub_ca_file: PathBuf,
@@ -118,9 +129,19 @@ impl RunArgs {
     fn session_config(&self) -> anyhow::Result<SessionConfig> {
         let read =
             |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
-        // Read once here so that a missing file fails at start; the session reads it
-        // again before every dial, to pick up a rotated token.
-        String::from_utf8(read(&self.token_file)?).context("the token file is not UTF-8")?;
+        let token = match (&self.token_secret, &self.token_file) {
+            (Some(name), _) => TokenStore::Secret {
+                namespace: self.tenancy.flotilla_namespace.clone(),
+                name: name.clone(),
+            },
+            (None, Some(path)) => {
+                // Read once here so that a missing file fails at start; the session reads
+                // it again before every dial, to pick up a rotated token.
+                String::from_utf8(read(path)?).context("the token file is not UTF-8")?;
+                TokenStore::File(path.clone())
+            }
+            (None, None) => anyhow::bail!("--token-file or --token-secret is required"),
+        };
         if !self.hub.starts_with("https://") {
             anyhow::bail!(
                 "--hub {:?}: must start with https:// (the token is never sent in clear)",
@@ -130,7 +151,7 @@ impl RunArgs {
         Ok(SessionConfig {
             hub: self.hub.clone(),
             cluster: self.cluster.clone(),
-            token_file: self.token_file.clone(),
+            token: std::sync::Arc::new(token),
             ca_pem: read(&self.hub_ca_file)?,
             server_name: self.hub_server_name.clone(),
             heartbeat: self.heartbeat,

@@ -25,6 +25,7 @@ pub mod run;
 pub mod session;
 pub mod sync;
 pub mod tenancy;
+pub mod token;
 pub mod webhook;
 
 /// A client of an apiserver that never answers: nothing listens on a port just

@@ -1,7 +1,8 @@
 //! Session: the agent's transport to the hub.
 //!
-//! Dials out (the hub never needs credentials for this cluster), reading the token file
-//! anew before each dial so a rotated token needs no restart; says Hello with the hash of
+//! Dials out (the hub never needs credentials for this cluster), reading the token anew
+//! before each dial so a rotated token needs no restart (and storing a token the hub
+//! renews, see [`token`]); says Hello with the hash of
 //! every MyApp it manages as the apiserver lists them (not the cache, so that the hub
 //! takes nothing for absent that exists); then hands the hub's messages, decoded as
 //! [`HubCommand`]s, to [`sync`] and sends what [`report`] says. On any failure it dials
@@ -9,7 +10,6 @@
 //! (nothing is deleted on disconnect).
 
 use std::collections::HashSet;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,7 +17,7 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 use flotilla_crds::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
 use flotilla_proto::WireKey;
 use flotilla_proto::client::{self, Dial, DialError, HubClient};
-use flotilla_proto::v1::{self as pb, hub_message};
+use flotilla_proto::v1::{self as pb, agent_message, hub_message};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::ListParams;
@@ -31,15 +31,18 @@ use crate::cache::{Key, Managed, applied_hash, key_of};
 use crate::collect::{Breaker, Collector};
 use crate::sync::{self, Applier};
 use crate::tenancy::Guard;
+use crate::token::{self, TokenError, TokenStore};
 use crate::{capacity, report};
+use secrecy::SecretString;
 
 #[derive(Clone)]
 pub struct SessionConfig {
     /// `https://host:port` of the hub's gRPC endpoint.
     pub hub: String,
     pub cluster: String,
-    /// Holds `<cluster>.<secret>` from `flotilla-hub join`; read before every dial.
-    pub token_file: PathBuf,
+    /// Holds `<cluster>.<secret>` from `flotilla-hub join`; read before every dial, and
+    /// where a renewed token is stored.
+    pub token: Arc<TokenStore>,
     /// PEM of the CA that signed the hub's certificate.
     pub ca_pem: Vec<u8>,
     /// The name to verify the hub's certificate against, if not the URL's host.
@@ -92,6 +95,8 @@ impl HubCommand {
                     .collect(),
                 confirmed_collection: complete.confirmed_collection,
             },
+            // Stored by the session itself (`store_renewals`), never queued as work.
+            hub_message::Kind::RenewToken(_) => return None,
         })
     }
 }
@@ -100,11 +105,8 @@ impl HubCommand {
 pub enum SessionError {
     #[error(transparent)]
     Dial(#[from] DialError),
-    #[error("reading the token file {path}: {source}")]
-    Token {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Token(#[from] TokenError),
     #[error("listing this cluster's managed MyApps for Hello: {0}")]
     List(kube::Error),
     #[error("the stream broke: {0}")]
@@ -163,7 +165,7 @@ async fn one_session(
     autoscalers: &Autoscalers,
     applier: &Applier,
 ) -> Result<(), SessionError> {
-    let mut hub = dial(config).await?;
+    let mut hub = dial(client, config).await?;
     let _ = managed.listed.wait().await;
     // Nothing is applied before the autoscalers are known: it could take their replicas.
     let _ = autoscalers.listed.wait().await;
@@ -173,6 +175,12 @@ async fn one_session(
     let (hello, listed) = hello(client, config).await?;
     let (tx, inbound) = client::open_session(&mut hub, hello, 256).await?;
     info!(hub = %config.hub, cluster = %config.cluster, managed = listed.len(), "connected to the hub");
+    let (renewals, renewals_rx) = mpsc::unbounded_channel();
+    let storer = tokio::spawn(store_renewals(
+        (client.clone(), config.token.clone()),
+        renewals_rx,
+        tx.clone(),
+    ));
     let (notices, notices_rx) = mpsc::unbounded_channel();
     let reporter = tokio::spawn(report::report_loop(
         managed.store.clone(),
@@ -191,26 +199,71 @@ async fn one_session(
         managed: managed.store.clone(),
         breaker: Breaker::new(listed, config.max_collect_share),
     };
-    let commands =
-        inbound.filter_map(|m| std::future::ready(m.map(HubCommand::decode).transpose()));
+    // A renewed token goes to its own task: storing it never waits behind applies.
+    let commands = inbound.filter_map(move |m| {
+        std::future::ready(match m {
+            Ok(pb::HubMessage {
+                kind: Some(hub_message::Kind::RenewToken(renew)),
+            }) => {
+                let _ = renewals.send(renew);
+                None
+            }
+            m => m.map(HubCommand::decode).transpose(),
+        })
+    });
     let result = sync::carry_out(commands, applier, &collector, config.concurrency, &notices).await;
     reporter.abort();
+    // Never aborted mid-store: the next dial reads the token after every store of this
+    // session has finished, so the hub may take the token it sees as the one held.
+    let _ = storer.await;
     result.map_err(SessionError::Stream)
 }
 
-/// Connects to the hub with the token the file holds now.
-async fn dial(config: &SessionConfig) -> Result<HubClient, SessionError> {
-    let token = tokio::fs::read_to_string(&config.token_file)
-        .await
-        .map_err(|source| SessionError::Token {
-            path: config.token_file.clone(),
-            source,
-        })?;
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Stores each token the hub renews, then answers with its hash (or why it could not be
+/// stored: the hub then keeps the current token valid and tries again later).
+async fn store_renewals(
+    (client, store): (Client, Arc<TokenStore>),
+    mut renewals: mpsc::UnboundedReceiver<pb::RenewToken>,
+    tx: mpsc::Sender<pb::AgentMessage>,
+) {
+    while let Some(renew) = renewals.recv().await {
+        let token_sha256 = token::sha256(&renew.token);
+        let token: SecretString = renew.token.into();
+        let error = match store.write(&client, &token).await {
+            Ok(()) => {
+                info!(store = ?store, expires_at_unix = renew.expires_at_unix, "stored the token the hub renewed");
+                String::new()
+            }
+            Err(e) => {
+                warn!(error = %e, "storing the token the hub renewed failed; the current one is kept");
+                e.to_string()
+            }
+        };
+        let answer = pb::AgentMessage {
+            kind: Some(agent_message::Kind::TokenRenewed(pb::TokenRenewed {
+                token_sha256,
+                error,
+            })),
+        };
+        // An answer the hub does not read within the heartbeat's order of time is lost
+        // with its session; the hub sends the token again.
+        match tokio::time::timeout(ANSWER_TIMEOUT, tx.send(answer)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) | Err(_) => return,
+        }
+    }
+}
+
+/// Connects to the hub with the token stored now.
+async fn dial(client: &Client, config: &SessionConfig) -> Result<HubClient, SessionError> {
+    let token = config.token.read(client).await?;
     Ok(client::connect(&Dial {
         hub: config.hub.clone(),
         ca_pem: config.ca_pem.clone(),
         server_name: config.server_name.clone(),
-        token: token.trim().into(),
+        token,
         keepalive: Duration::from_secs(10),
         keepalive_timeout: Duration::from_secs(10),
     })
@@ -246,6 +299,7 @@ async fn hello(
             })
             .collect(),
         cluster_uid: cluster_uid(client).await,
+        renews_token: true,
     };
     Ok((hello, listed.iter().map(key_of).collect()))
 }

@@ -201,7 +201,8 @@ pub async fn serve(role: Role, size: Size) -> Result<()> {
     size.check()?;
     let cert = std::env::var(CERT_VAR).with_context(|| format!("{CERT_VAR} is not set"))?;
     let key = std::env::var(KEY_VAR).with_context(|| format!("{KEY_VAR} is not set"))?;
-    let identity = Identity::from_pem(cert, key);
+    let identity = Identity::from_pem(&cert, &key);
+    let identity_pem = (cert, key);
     let addr: SocketAddr = flotilla_lab::support::free_addr()?.parse()?;
     let shutdown = CancellationToken::new();
     let start = Instant::now();
@@ -214,7 +215,11 @@ pub async fn serve(role: Role, size: Size) -> Result<()> {
             apps = planned;
             tokio::spawn(flotilla_hub::server::serve(
                 addr,
-                identity,
+                flotilla_hub::serving::ServingCert::from_pem(
+                    identity_pem.0.as_bytes(),
+                    identity_pem.1.as_bytes(),
+                )?
+                .server_config(),
                 Default::default(),
                 service,
                 shutdown.clone(),
@@ -300,9 +305,19 @@ fn hub_service(
     );
     dispatcher.planned_for(members.into_keys().collect());
     let service = FederationService {
-        dispatcher,
+        dispatcher: dispatcher.clone(),
         status,
         membership: Arc::new(Membership::new(Duration::from_secs(60))),
+        // Its renewal loop is not run: tokens are not renewed here.
+        renewer: Arc::new(flotilla_hub::renew::Renewer::new(
+            kube::Api::all(kube::Client::try_from(kube::Config::new(
+                "http://127.0.0.1:1".parse()?,
+            ))?),
+            store.clone(),
+            dispatcher.clone(),
+            Duration::from_secs(3600),
+            Default::default(),
+        )),
         members: store,
         leading,
         // No host: its only Event (a held-back collection) never happens here.
@@ -526,6 +541,8 @@ async fn agent(
         kubernetes_version: "none (load generator)".into(),
         managed,
         cluster_uid: String::new(),
+        // Simulated agents store no renewed token.
+        renews_token: false,
     };
     // Like an agent, retry a session the hub refused or dropped while opening it (seen
     // under heavy load: the connection broke before the response headers).
@@ -593,7 +610,8 @@ async fn agent(
                 run.to_sync = start.elapsed();
                 break;
             }
-            None => {}
+            // Never sent: its Hello says it stores no renewed token.
+            Some(hub_message::Kind::RenewToken(_)) | None => {}
         }
     }
     // End our half; the server reads up to the end, in order, then ends the session.

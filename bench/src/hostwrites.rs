@@ -92,6 +92,8 @@ async fn sim_agent(f: Arc<Federation>, cluster: String, mut cmds: mpsc::Receiver
                 })
                 .collect(),
             cluster_uid: format!("uid-{cluster}"),
+            // Simulated agents store no renewed token.
+            renews_token: false,
         };
         let away = match f.open_session_with(&token, hello, 64).await {
             Ok((tx, inbound)) => match session(tx, inbound, &mut held, &mut cmds).await {

@@ -31,9 +31,22 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "camelCase")]
 pub struct MemberClusterSpec {
     /// SHA-256 (hex) of the agent's bearer token. Only the hash is stored; clearing it
-    /// revokes the agent, `flotilla-hub join` issues a new token.
+    /// revokes the agent (and its next token), `flotilla-hub join --rotate` issues a new
+    /// one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_sha256: Option<String>,
+    /// When the token expires; none: never (tokens issued before expiry existed). The hub
+    /// renews it over the agent's session before then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_expires_at: Option<Time>,
+    /// SHA-256 (hex) of the renewed token the hub sent the agent, accepted beside the
+    /// current one until the agent proves it holds it (then it becomes the current one).
+    /// Written by the hub.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_token_sha256: Option<String>,
+    /// When the next token expires.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_token_expires_at: Option<Time>,
     /// Cordon: no new replicas are scheduled here; the replicas it runs stay
     /// (`flotilla-hub cordon NAME`, `flotilla-hub uncordon NAME`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

@@ -298,6 +298,25 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
         }
         let sa_kubeconfig = dir.join("kubeconfig.yaml");
         std::fs::write(&sa_kubeconfig, serde_yaml::to_string(&kubeconfig)?)?;
+        // Its rights on Secrets: its credentials Secret read and patched (a renewed token is
+        // stored there), no other Secret, and nothing else done to that one.
+        for (verb, resource, want) in [
+            ("get", "secrets/flotilla-hub-credentials", "yes"),
+            ("patch", "secrets/flotilla-hub-credentials", "yes"),
+            ("delete", "secrets/flotilla-hub-credentials", "no"),
+            ("get", "secrets/flotilla-hub-tls", "no"),
+            ("list", "secrets", "no"),
+        ] {
+            let out = Command::new(kubectl())
+                .args(["auth", "can-i", verb, resource, "-n", "flotilla-system"])
+                .env("KUBECONFIG", &sa_kubeconfig)
+                .output()?;
+            let got = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+            anyhow::ensure!(
+                got == want,
+                "the agent's ServiceAccount: can-i {verb} {resource} says {got:?}, want {want:?}"
+            );
+        }
         let program = &f.components[&flotilla_lab::federation::agent_name("cluster1")].program;
         let mut cmd = std::process::Command::new(program);
         cmd.args(&args)

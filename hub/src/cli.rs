@@ -4,6 +4,7 @@
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -262,7 +263,14 @@ pub fn parse_members(yaml: &str, now: Timestamp) -> anyhow::Result<Members> {
     Ok(members)
 }
 
+/// Where `join` puts the credential: a file, always, unless `--stdout` says otherwise.
 #[derive(clap::Args, Debug)]
+#[command(group(
+    clap::ArgGroup::new("destination")
+        .required(true)
+        .multiple(false)
+        .args(["output", "token_file", "stdout"])
+))]
 pub struct JoinArgs {
     /// The member cluster's name (a DNS-1123 subdomain).
     pub name: String,
@@ -274,6 +282,11 @@ pub struct JoinArgs {
     /// disconnected); its labels are kept.
     #[arg(long)]
     pub rotate: bool,
+    /// How long the token is valid. The hub renews it over the agent's session before it
+    /// expires (see the hub's --token-lifetime); an agent that has not connected by then
+    /// needs `join --rotate`.
+    #[arg(long, default_value = "30d", value_parser = crate::run::parse_lifetime)]
+    pub token_lifetime: Duration,
     /// Where the member's agent dials the hub, HOST:PORT. Default: the external address
     /// of the LoadBalancer Service flotilla-system/flotilla-hub.
     #[arg(long, value_name = "HOST:PORT")]
@@ -289,19 +302,18 @@ pub struct JoinArgs {
     /// The agent's image (default: deploy/base's).
     #[arg(long)]
     pub agent_image: Option<String>,
-    /// Write the member install here (mode 0600, it holds the credential) instead of
-    /// standard output.
-    #[arg(
-        short = 'o',
-        long = "output",
-        value_name = "FILE",
-        conflicts_with = "token_file"
-    )]
+    /// Write the member install here (mode 0600, it holds the credential). One of -o,
+    /// --token-file and --stdout is required.
+    #[arg(short = 'o', long = "output", value_name = "FILE")]
     pub output: Option<PathBuf>,
     /// Issue the token only and write it here (mode 0600), no install: for installs kept
     /// elsewhere (deploy/overlays/member).
     #[arg(long, value_name = "FILE")]
     pub token_file: Option<PathBuf>,
+    /// Print the member install, credential included, to standard output (e.g. piped
+    /// straight into `kubectl apply -f -` for the member).
+    #[arg(long)]
+    pub stdout: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -392,6 +404,7 @@ pub async fn join(kube: &KubeArgs, args: &JoinArgs) -> anyhow::Result<()> {
     let api: Api<flotilla_crds::MemberCluster> = Api::all(client);
     let labels: BTreeMap<_, _> = args.labels.iter().cloned().collect();
     let hash = crate::auth::token_sha256(token.expose_secret());
+    let expires = crate::auth::expiry(Timestamp::now(), args.token_lifetime).to_string();
     let existing = api
         .get_opt(&args.name)
         .await
@@ -402,7 +415,7 @@ pub async fn join(kube: &KubeArgs, args: &JoinArgs) -> anyhow::Result<()> {
                 "apiVersion": "core.kubefed.io/v1beta1",
                 "kind": "MemberCluster",
                 "metadata": {"name": args.name, "labels": labels},
-                "spec": {"tokenSha256": hash},
+                "spec": {"tokenSha256": hash, "tokenExpiresAt": expires},
             }))?;
             let params = PostParams {
                 field_manager: Some(JOIN_MANAGER.into()),
@@ -419,8 +432,9 @@ pub async fn join(kube: &KubeArgs, args: &JoinArgs) -> anyhow::Result<()> {
             name = args.name
         ),
         Some(_) => {
-            // A merge patch: the labels given are set, every other label stays.
-            let mut patch = serde_json::json!({"spec": {"tokenSha256": hash}});
+            // A merge patch: the labels given are set, every other label stays. A renewal
+            // under way is dropped: only the new token is accepted.
+            let mut patch = rotate_patch(&hash, &expires);
             if !labels.is_empty() {
                 patch["metadata"] = serde_json::json!({"labels": labels});
             }
@@ -462,6 +476,16 @@ pub async fn join(kube: &KubeArgs, args: &JoinArgs) -> anyhow::Result<()> {
         (None, _, None) => unreachable!("without --token-file the install is rendered"),
     }
     Ok(())
+}
+
+/// What `join --rotate` writes into the MemberCluster's spec: the new token alone.
+fn rotate_patch(hash: &str, expires: &str) -> Value {
+    serde_json::json!({"spec": {
+        "tokenSha256": hash,
+        "tokenExpiresAt": expires,
+        "nextTokenSha256": null,
+        "nextTokenExpiresAt": null,
+    }})
 }
 
 /// The external address of the hub's LoadBalancer Service.
@@ -524,7 +548,14 @@ pub async fn revoke(kube: &KubeArgs, args: &RevokeArgs) -> anyhow::Result<()> {
 async fn revoke_member(client: &kube::Client, name: &str) -> anyhow::Result<()> {
     use kube::api::{Api, Patch, PatchParams};
     let api: Api<flotilla_crds::MemberCluster> = Api::all(client.clone());
-    let patch = serde_json::json!({"spec": {"tokenSha256": null}});
+    // The next token of a renewal under way goes too (it is refused without a current
+    // one, and nothing should be left to resurrect).
+    let patch = serde_json::json!({"spec": {
+        "tokenSha256": null,
+        "tokenExpiresAt": null,
+        "nextTokenSha256": null,
+        "nextTokenExpiresAt": null,
+    }});
     api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .with_context(|| format!("revoking MemberCluster {name}"))?;
@@ -700,10 +731,23 @@ mod join_tests {
     }
 
     #[test]
+    fn join_prints_the_install_only_when_asked() {
+        let Command::Join(args) = parse(&["join", "paris", "--stdout"]).unwrap().command else {
+            panic!("parsed as join")
+        };
+        assert!(args.stdout);
+        assert_eq!((args.output, args.token_file), (None, None));
+    }
+
+    #[test]
     fn join_refuses_what_cannot_work() {
         for bad in [
             &["join", "paris", "--label", "region"][..],
             &["join", "paris", "-o", "a.yaml", "--token-file", "t"][..],
+            // The credential goes to a file unless printing it is asked for.
+            &["join", "paris"][..],
+            &["join", "paris", "-o", "a.yaml", "--stdout"][..],
+            &["join", "paris", "--token-file", "t", "--stdout"][..],
             &["join"][..],
             &["unjoin", "paris", "--member-context", "paris"][..],
         ] {
@@ -756,9 +800,31 @@ mod tests {
             spec,
             MemberClusterSpec {
                 token_sha256: Some("ab".into()),
-                unschedulable: false
+                unschedulable: false,
+                ..Default::default()
             }
         );
+    }
+
+    #[test]
+    fn rotation_leaves_only_the_new_token() {
+        let mut member = serde_json::json!({"spec": {
+            "tokenSha256": "old", "tokenExpiresAt": "2026-01-01T00:00:00Z",
+            "nextTokenSha256": "next", "nextTokenExpiresAt": "2026-02-01T00:00:00Z",
+            "unschedulable": true,
+        }});
+        json_patch::merge(&mut member, &rotate_patch("new", "2027-01-01T00:00:00Z"));
+        let spec: MemberClusterSpec = serde_json::from_value(member["spec"].clone()).unwrap();
+        assert_eq!(spec.token_sha256.as_deref(), Some("new"));
+        assert_eq!(
+            spec.token_expires_at.map(|t| t.0.to_string()).as_deref(),
+            Some("2027-01-01T00:00:00Z")
+        );
+        assert_eq!(
+            (spec.next_token_sha256, spec.next_token_expires_at),
+            (None, None)
+        );
+        assert!(spec.unschedulable, "nothing else changes");
     }
 
     #[test]

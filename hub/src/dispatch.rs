@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use flotilla_plan::index::{AppKey, Change, Desired, Held, Index, Push};
@@ -29,6 +29,7 @@ use crate::auth::Identity;
 enum Slot {
     Object(AppKey),
     SyncComplete,
+    RenewToken,
 }
 
 /// What waits in a slot. An object's change becomes its message only when it is sent, so
@@ -37,12 +38,14 @@ enum Slot {
 enum Queued {
     Change(Change),
     SyncComplete(pb::SyncComplete),
+    RenewToken(pb::RenewToken),
 }
 
 impl Queued {
     fn into_message(self, slot: Slot) -> pb::HubMessage {
         let kind = match (self, slot) {
             (Queued::SyncComplete(sync), _) => Kind::SyncComplete(sync),
+            (Queued::RenewToken(renew), _) => Kind::RenewToken(renew),
             (Queued::Change(Change::Apply(r)), Slot::Object(key)) => Kind::Apply(pb::Apply {
                 key: Some(key.to_wire()),
                 hash: r.hash.clone(),
@@ -54,7 +57,7 @@ impl Queued {
                     orphan,
                 })
             }
-            (Queued::Change(_), Slot::SyncComplete) => {
+            (Queued::Change(_), Slot::SyncComplete | Slot::RenewToken) => {
                 unreachable!("a change is queued in its object's slot")
             }
         };
@@ -64,7 +67,12 @@ impl Queued {
 
 /// The pending messages of one agent session.
 pub struct ClusterQueue {
-    pub identity: Identity,
+    cluster: String,
+    /// The hash of the token the agent holds: the one it authenticated with, then the
+    /// renewed one once it acknowledged that.
+    token_hash: Mutex<String>,
+    /// Its Hello said it stores a renewed token.
+    renews_token: AtomicBool,
     id: u64,
     since: Instant,
     pending: Mutex<IndexMap<Slot, Queued>>,
@@ -84,7 +92,38 @@ impl ClusterQueue {
     }
 
     pub fn cluster(&self) -> &str {
-        &self.identity.cluster
+        &self.cluster
+    }
+
+    /// The cluster and the token the agent holds now.
+    pub fn identity(&self) -> Identity {
+        Identity {
+            cluster: self.cluster.clone(),
+            token_hash: self.token_hash.lock().clone(),
+        }
+    }
+
+    /// The agent proved it holds the token of hash `hash`.
+    pub fn set_token_hash(&self, hash: &str) {
+        hash.clone_into(&mut self.token_hash.lock());
+    }
+
+    pub fn renews_token(&self) -> bool {
+        self.renews_token.load(Ordering::Relaxed)
+    }
+
+    pub fn set_renews_token(&self, renews: bool) {
+        self.renews_token.store(renews, Ordering::Relaxed);
+    }
+
+    /// This session, as opposed to an earlier or later one of the same cluster.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Sends the agent a renewed token (replacing one not yet sent).
+    pub fn renew_token(&self, renew: pb::RenewToken) {
+        self.push(Slot::RenewToken, Queued::RenewToken(renew));
     }
 
     /// Waits for pending messages and takes up to `max` of them, oldest first.
@@ -158,6 +197,7 @@ impl DispatchMetrics {
             Some(Kind::Apply(_)) => "apply",
             Some(Kind::Delete(_)) => "delete",
             Some(Kind::SyncComplete(_)) => "sync_complete",
+            Some(Kind::RenewToken(_)) => "renew_token",
             None => "empty",
         };
         self.sent
@@ -299,7 +339,9 @@ impl Dispatcher {
             });
         }
         let queue = Arc::new(ClusterQueue {
-            identity: identity.clone(),
+            cluster: identity.cluster.clone(),
+            token_hash: Mutex::new(identity.token_hash.clone()),
+            renews_token: AtomicBool::new(false),
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             since: Instant::now(),
             pending: Mutex::default(),
@@ -422,7 +464,32 @@ mod tests {
             Kind::Apply(a) => format!("apply {} {}", a.key.as_ref().unwrap().name, a.hash),
             Kind::Delete(d) => format!("delete {}", d.key.as_ref().unwrap().name),
             Kind::SyncComplete(s) => format!("sync {}", s.desired.len()),
+            Kind::RenewToken(r) => format!("renew {}", r.expires_at_unix),
         }
+    }
+
+    /// A renewal waits in its own slot: a newer one replaces one not yet sent, and no
+    /// object's message displaces it.
+    #[tokio::test]
+    async fn a_renewed_token_replaces_one_not_yet_sent() {
+        let d = Dispatcher::default();
+        let q = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        assert_eq!(drain(&q).await, ["sync 0"]);
+        for at in [1, 2] {
+            q.renew_token(pb::RenewToken {
+                token: format!("c1.t{at}"),
+                expires_at_unix: at,
+            });
+        }
+        d.set_app(
+            &AppKey::new("ns", "a"),
+            None,
+            [("c1".to_owned(), apply("h1"))].into(),
+        );
+        assert_eq!(drain(&q).await, ["renew 2", "apply a h1"]);
+        assert_eq!(q.identity(), id("c1"));
+        q.set_token_hash("h2");
+        assert_eq!(q.identity().token_hash, "h2");
     }
 
     async fn drain(q: &ClusterQueue) -> Vec<String> {

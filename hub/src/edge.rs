@@ -21,8 +21,10 @@ use prometheus_client::registry::Registry;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+use tonic::transport::Server;
 use tonic::transport::server::{Connected, TcpConnectInfo};
-use tonic::transport::{Identity, Server, ServerTlsConfig};
 
 /// A ping after this long without traffic; a connection that does not answer within
 /// the same time is dropped, so a vanished agent frees its cluster's session.
@@ -62,18 +64,13 @@ impl Default for EdgeLimits {
     }
 }
 
-/// The transport the hub serves agents with: TLS with a handshake deadline, few streams
-/// per connection, HTTP/2 keepalive.
-pub fn server(limits: &EdgeLimits, tls: Identity) -> Result<Server, tonic::transport::Error> {
-    Ok(Server::builder()
-        .tls_config(
-            ServerTlsConfig::new()
-                .identity(tls)
-                .timeout(limits.tls_handshake_timeout),
-        )?
+/// The transport the hub serves agents with over [`incoming`]'s TLS connections: few
+/// streams per connection, HTTP/2 keepalive.
+pub fn server(limits: &EdgeLimits) -> Server {
+    Server::builder()
         .max_concurrent_streams(limits.max_streams_per_connection)
         .http2_keepalive_interval(Some(KEEPALIVE))
-        .http2_keepalive_timeout(Some(KEEPALIVE)))
+        .http2_keepalive_timeout(Some(KEEPALIVE))
 }
 
 /// `service` reading agent messages up to [`MAX_AGENT_MESSAGE`] (a larger one ends its
@@ -84,26 +81,57 @@ pub fn federation<S: Federation>(service: S) -> FederationServer<S> {
         .max_encoding_message_size(MAX_MESSAGE)
 }
 
-/// The connections `listener` accepts, at most `max` alive at once: the next is accepted
-/// only once a slot is free, so a flood of silent peers holds at most `max` sockets (and
-/// the accept loop never meets the file descriptor limit).
+/// The connections `listener` accepts, at most `limits.max_agent_connections` alive at
+/// once: the next is accepted only once a slot is free, so a flood of silent peers holds
+/// at most that many sockets (and the accept loop never meets the file descriptor
+/// limit). Each is handed on once its TLS handshake (with `tls`, which picks the
+/// certificate at every handshake) is done; one not done within
+/// `limits.tls_handshake_timeout` is dropped. Handshakes run side by side.
 pub fn incoming(
     listener: TcpListener,
-    max: usize,
-) -> impl Stream<Item = io::Result<Counted>> + Send + 'static {
-    let slots = Arc::new(Semaphore::new(max));
-    futures::stream::unfold((listener, slots), |(listener, slots)| async move {
-        let slot = slots
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("the semaphore is never closed");
-        let accepted = listener.accept().await.map(|(stream, _)| Counted {
-            stream,
-            _slot: slot,
-        });
-        Some((accepted, (listener, slots)))
-    })
+    limits: &EdgeLimits,
+    tls: Arc<rustls::ServerConfig>,
+) -> impl Stream<Item = io::Result<TlsStream<Counted>>> + Send + 'static {
+    let slots = Arc::new(Semaphore::new(limits.max_agent_connections));
+    let handshake = limits.tls_handshake_timeout;
+    let acceptor = TlsAcceptor::from(tls);
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                _ = tx.closed() => return,
+                accepted = async {
+                    let slot = slots
+                        .clone()
+                        .acquire_owned()
+                        .await
+                        .expect("the semaphore is never closed");
+                    listener.accept().await.map(|(stream, _)| Counted {
+                        stream,
+                        _slot: slot,
+                    })
+                } => accepted,
+            };
+            let counted = match accepted {
+                Ok(counted) => counted,
+                Err(e) => {
+                    if tx.send(Err(e)).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            let (tx, acceptor) = (tx.clone(), acceptor.clone());
+            tokio::spawn(async move {
+                // A failed or late handshake drops the connection (and frees its slot).
+                if let Ok(Ok(tls)) = tokio::time::timeout(handshake, acceptor.accept(counted)).await
+                {
+                    let _ = tx.send(Ok(tls)).await;
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
 /// A connection holding one of [`incoming`]'s slots until it is dropped (closed by
@@ -198,6 +226,8 @@ pub enum Refusal {
     SecondSession,
     /// A credential revoked while its session waited for Hello or the plan.
     RevokedWhileAdmitted,
+    /// A token past its expiry.
+    TokenExpired,
 }
 
 impl Refusal {
@@ -208,6 +238,7 @@ impl Refusal {
             Refusal::MessageTooLarge => "message_too_large",
             Refusal::SecondSession => "second_session",
             Refusal::RevokedWhileAdmitted => "revoked_while_admitted",
+            Refusal::TokenExpired => "token_expired",
         }
     }
 }

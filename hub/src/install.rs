@@ -2,14 +2,16 @@
 //! installs in the member cluster. It is `deploy/base` (namespace, MyApp CRD with its
 //! conversion webhook, the agent's RBAC, the FlowSchema of its Lease, Deployment and
 //! Service) with the agent switched to `run` against the hub, plus the credential
-//! Secret. Pure: no cluster is contacted.
+//! Secret and the agent's Role on it (it stores a renewed token there). Pure: no cluster
+//! is contacted.
 
 use base64::Engine;
 use secrecy::{ExposeSecret, SecretString};
 use serde_json::{Value, json};
 
-/// `deploy/base`, embedded so that the printed install and the kustomize base are one.
-const BASE: [(&str, &str); 6] = [
+/// `deploy/base`, and the member overlay's Role on the credentials Secret, embedded so
+/// that the printed install and the kustomizations are one.
+const BASE: [(&str, &str); 7] = [
     (
         "deploy/base/namespace.yaml",
         include_str!("../../deploy/base/namespace.yaml"),
@@ -21,6 +23,10 @@ const BASE: [(&str, &str); 6] = [
     (
         "deploy/base/rbac.yaml",
         include_str!("../../deploy/base/rbac.yaml"),
+    ),
+    (
+        "deploy/overlays/member/credentials-rbac.yaml",
+        include_str!("../../deploy/overlays/member/credentials-rbac.yaml"),
     ),
     (
         "deploy/base/deployment.yaml",
@@ -165,7 +171,8 @@ fn agent_deployment(
     args.extend([
         json!(format!("--hub=https://{}", install.hub_address)),
         json!(format!("--cluster={}", install.cluster)),
-        json!(format!("--token-file={MOUNT}/token")),
+        // Read, and a renewed token stored, through the API: a mounted copy lags.
+        json!(format!("--token-secret={SECRET}")),
         json!(format!("--hub-ca-file={MOUNT}/ca.crt")),
     ]);
     if let Some(name) = &install.hub_server_name {
@@ -317,7 +324,7 @@ mod tests {
     }
 
     fn base_deployment() -> Value {
-        serde_yaml::from_str(BASE[3].1).unwrap()
+        serde_yaml::from_str(BASE[4].1).unwrap()
     }
 
     fn b64d(v: &Value) -> String {
@@ -350,6 +357,8 @@ mod tests {
                 "ClusterRoleBinding/flotilla-agent",
                 "Role/flotilla-agent-leader",
                 "RoleBinding/flotilla-agent-leader",
+                "Role/flotilla-agent-credentials",
+                "RoleBinding/flotilla-agent-credentials",
                 "Secret/flotilla-hub-credentials",
                 "Deployment/flotilla-agent",
                 "Service/flotilla-agent",
@@ -396,7 +405,7 @@ mod tests {
         for expected in [
             "--hub=https://hub.example.com:7443",
             "--cluster=paris",
-            "--token-file=/hub/token",
+            "--token-secret=flotilla-hub-credentials",
             "--hub-ca-file=/hub/ca.crt",
             "--webhook-service=flotilla-system/flotilla-agent",
         ] {
@@ -556,7 +565,7 @@ mod tests {
                 ..install()
             };
             let docs = parse(&render(&i).unwrap());
-            prop_assert_eq!(docs.len(), 11);
+            prop_assert_eq!(docs.len(), 13);
             let objects = by_kind_and_name(&docs);
             let secret_doc = objects["Secret/flotilla-hub-credentials"];
             prop_assert_eq!(b64d(&secret_doc["data"]["token"]), i.token.expose_secret());

@@ -2,8 +2,8 @@
 //! places, schedules, renders and keeps the index). Modules follow the data flow:
 //! `controller` (FederatedMyApp reconcile into the index through `flotilla_plan::plan`,
 //! the finalizer, Events, planning passes), `dispatch` (per-agent queues over the index),
-//! `auth` (tokens), `edge` (the bounds on the gRPC port, before and after authentication),
-//! `server` (the gRPC service agents dial), `convert` (what the hub reads out of agents'
+//! `auth` (tokens), `renew` (tokens renewed over the sessions before they expire), `edge` (the bounds on the gRPC port, before and after authentication),
+//! `server` (the gRPC service agents dial), `serving` (its certificate, reloaded when its files change), `convert` (what the hub reads out of agents'
 //! messages, bounded), `status` (the board of plans and reports, and the
 //! writer of FederatedMyApp status), `membership` (MemberCluster watch, heartbeats and
 //! capacity → MemberCluster status), `writes` (what both status writers share: merge
@@ -27,7 +27,9 @@ pub(crate) mod install;
 pub mod inventory;
 pub mod membership;
 pub mod planner;
+pub mod renew;
 pub mod run;
 pub mod server;
+pub mod serving;
 pub mod status;
 pub mod writes;

@@ -205,7 +205,7 @@ pub async fn watch_members(
             continue;
         }
         for session in dispatcher.sessions() {
-            if auth::revoked(&members, &session.identity) {
+            if auth::revoked(&members, &session.identity()) {
                 info!(cluster = %session.cluster(), "credential revoked or rotated, or MemberCluster deleted: closing its session");
                 dispatcher.close(session.cluster());
             }

@@ -22,7 +22,6 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client};
 use tokio::sync::{mpsc, watch};
-use tonic::transport::Identity;
 
 use crate::controller::{self, Context, Notices};
 use crate::detail;
@@ -31,7 +30,9 @@ use crate::edge::{EdgeLimits, RefusalMetrics};
 use crate::inventory::{self, InventoryArgs};
 use crate::membership::{self, Membership};
 use crate::planner::{self, Planner};
+use crate::renew::{RenewalMetrics, Renewer};
 use crate::server::{self, FederationService};
+use crate::serving::ServingCert;
 use crate::status::{StatusBoard, StatusWriter};
 use crate::writes::WriteMetrics;
 
@@ -43,11 +44,16 @@ pub struct RunArgs {
     /// Address of /healthz, /readyz and /metrics.
     #[arg(long, default_value = "0.0.0.0:8080", env = "FLOTILLA_HTTP_ADDR")]
     pub http_addr: SocketAddr,
-    /// PEM certificate the gRPC server presents (see `flotilla-hub certs`).
+    /// PEM certificate the gRPC server presents (see `flotilla-hub certs`). Read again when
+    /// it or the key changes (a mounted Secret that cert-manager renews): new connections
+    /// get the new one, open sessions keep theirs.
     #[arg(long, env = "FLOTILLA_TLS_CERT")]
     pub tls_cert: PathBuf,
     #[arg(long, env = "FLOTILLA_TLS_KEY")]
     pub tls_key: PathBuf,
+    /// How often the certificate and key files are read for a change.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub tls_reload_interval: Duration,
     /// A MemberCluster turns NotReady after this long without a heartbeat.
     #[arg(long, default_value = "40s", value_parser = humantime::parse_duration)]
     pub heartbeat_grace: Duration,
@@ -65,6 +71,10 @@ pub struct RunArgs {
     /// when it moved by 5 % and one default request, or a node came or went).
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pub capacity_write_interval: Duration,
+    /// How long an agent token is valid. The hub renews it over the agent's session with
+    /// a third of this left; a token past it is refused (`join --rotate` issues a new one).
+    #[arg(long, default_value = "30d", value_parser = parse_lifetime, env = "FLOTILLA_TOKEN_LIFETIME")]
+    pub token_lifetime: Duration,
     /// Names this instance in Events (the pod name in a cluster).
     #[arg(long, env = "POD_NAME")]
     pub instance: Option<String>,
@@ -76,6 +86,15 @@ pub struct RunArgs {
     pub leader: leader::LeaderArgs,
     #[command(flatten)]
     pub inventory: InventoryArgs,
+}
+
+/// A token lifetime: at least 3 s, so that its last third is more than a tick or two.
+pub fn parse_lifetime(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d < Duration::from_secs(3) {
+        return Err(format!("{s}: a token lifetime is at least 3s"));
+    }
+    Ok(d)
 }
 
 impl RunArgs {
@@ -141,12 +160,9 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     // A standby stays warm (stores listed, every app planned) and ready, but writes
     // nothing and serves no agent: only the leader does (the Service routes to it).
     let (leading, campaign) = leader::elect(config, &args.leader, leader::HUB, shutdown.clone())?;
-    let tls = Identity::from_pem(
-        std::fs::read(&args.tls_cert)
-            .with_context(|| format!("reading {}", args.tls_cert.display()))?,
-        std::fs::read(&args.tls_key)
-            .with_context(|| format!("reading {}", args.tls_key.display()))?,
-    );
+    let serving = ServingCert::load(args.tls_cert.clone(), args.tls_key.clone())
+        .context("loading the serving certificate")?;
+    let tls = serving.server_config();
 
     let dispatcher = Arc::new(Dispatcher::default());
     let mut metrics = Metrics::default();
@@ -157,6 +173,8 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     writes.register(metrics.registry_mut());
     let refusals = RefusalMetrics::default();
     refusals.register(metrics.registry_mut());
+    let renewals = RenewalMetrics::default();
+    renewals.register(metrics.registry_mut());
     let metrics = Arc::new(metrics);
     let status = Arc::new(StatusBoard::default());
     let membership = Arc::new(
@@ -255,7 +273,16 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
             shutdown.clone(),
         ),
     );
+    let renewer = Arc::new(Renewer::new(
+        Api::all(client.clone()),
+        members.clone(),
+        dispatcher.clone(),
+        args.token_lifetime,
+        renewals,
+    ));
+    tasks.spawn("token-renewal", renewer.clone().run(shutdown.clone()));
     let service = FederationService {
+        renewer,
         dispatcher,
         status: status.clone(),
         membership: membership.clone(),
@@ -265,6 +292,13 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         admissions: Default::default(),
         refusals,
     };
+    tasks.spawn("serving-certificate-reload", {
+        let (serving, shutdown) = (serving.clone(), shutdown.clone());
+        async move {
+            serving.watch(args.tls_reload_interval, shutdown).await;
+            Ok(())
+        }
+    });
     tasks.spawn(
         "grpc",
         server::serve(args.grpc_addr, tls, args.edge, service, shutdown.clone()),

@@ -14,13 +14,13 @@ use flotilla_proto::WireKey;
 use flotilla_proto::client::MAX_AGENT_MESSAGE;
 use flotilla_proto::v1::federation_server::Federation;
 use flotilla_proto::v1::{self as pb, agent_message};
+use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::{ObjectRef, Store};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Identity;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
@@ -29,12 +29,15 @@ use crate::convert::{capacity_from_pb, hello_from_pb, report_from_pb};
 use crate::dispatch::{ClusterQueue, Dispatcher};
 use crate::edge::{self, Admissions, EdgeLimits, Refusal, RefusalMetrics};
 use crate::membership::{self, Membership};
+use crate::renew::Renewer;
 use crate::status::StatusBoard;
 
 /// Messages buffered towards one agent beyond its queue: small, since the queue itself
 /// collapses superseded versions and a full buffer is how backpressure reaches it.
 const STREAM_BUFFER: usize = 64;
 const BATCH: usize = 64;
+/// An agent's reason for not storing a renewed token is cut to this before it is logged.
+const RENEWAL_ERROR_MAX: usize = 1024;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a session waits for the index to be planned for its cluster (a MemberCluster
 /// just created): past it, the agent is told to retry.
@@ -52,13 +55,15 @@ pub struct FederationService {
     /// One session per cluster being admitted, checked before its Hello is read.
     pub admissions: Arc<Admissions>,
     pub refusals: RefusalMetrics,
+    /// Renews sessions' tokens; hears the agents' answers.
+    pub renewer: Arc<Renewer>,
 }
 
 /// Binds `addr` and serves agents until `shutdown`; then ends every session at once so
 /// that agents reconnect to the next hub instead of holding on to this one.
 pub async fn serve(
     addr: SocketAddr,
-    tls: Identity,
+    tls: Arc<rustls::ServerConfig>,
     limits: EdgeLimits,
     service: FederationService,
     shutdown: CancellationToken,
@@ -88,10 +93,9 @@ pub async fn serve(
         }
         dispatcher.close_all();
     };
-    edge::server(&limits, tls)
-        .context("configuring TLS")?
+    edge::server(&limits)
         .add_service(edge::federation(service))
-        .serve_with_incoming_shutdown(edge::incoming(listener, limits.max_agent_connections), stop)
+        .serve_with_incoming_shutdown(edge::incoming(listener, &limits, tls), stop)
         .await
         .with_context(|| format!("serving gRPC on {addr}"))
 }
@@ -139,7 +143,18 @@ impl Federation for FederationService {
                 "this hub is a standby; the leading hub serves agents",
             ));
         }
-        let identity = auth::authenticate(&self.members, authorization).map_err(refused)?;
+        let identity = match auth::authenticate(&self.members, authorization, Timestamp::now()) {
+            Ok(identity) => identity,
+            Err(e @ AuthError::Expired { .. }) => {
+                self.refusals.count(Refusal::TokenExpired);
+                warn!(error = %e, "an expired token refused");
+                if let AuthError::Expired { cluster, .. } = &e {
+                    token_expired_event(&self.recorder, &self.members, cluster, &e).await;
+                }
+                return Err(refused(e));
+            }
+            Err(e) => return Err(refused(e)),
+        };
         let cluster = identity.cluster.clone();
         // Before anything is read: one credential decodes at most one Hello at a time.
         // Held until `connect` has registered the session (or it is refused); a live
@@ -237,6 +252,7 @@ impl Federation for FederationService {
             return Err(self.revoked_while_admitted(&cluster));
         }
         info!(%cluster, agent = %hello.agent_version, kubernetes = %hello.kubernetes_version, managed = managed.len(), "agent connected");
+        queue.set_renews_token(hello.renews_token);
         self.membership.hello(&cluster, &hello);
         self.dispatcher.metrics.collection_blocked(&cluster, 0);
 
@@ -258,6 +274,7 @@ impl Federation for FederationService {
             self.status.clone(),
             self.membership.clone(),
             (self.recorder.clone(), self.members.clone()),
+            self.renewer.clone(),
         ));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
@@ -290,6 +307,28 @@ async fn collection_blocked_event(
     }
 }
 
+/// A Warning Event on the MemberCluster an expired token was presented for.
+async fn token_expired_event(
+    recorder: &Recorder,
+    members: &Store<MemberCluster>,
+    cluster: &str,
+    error: &AuthError,
+) {
+    let Some(member) = members.get(&ObjectRef::new(cluster)) else {
+        return;
+    };
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "TokenExpired".into(),
+        note: Some(error.to_string()),
+        action: "Authenticate".into(),
+        secondary: None,
+    };
+    if let Err(e) = recorder.publish(&event, &member.object_ref(&())).await {
+        warn!(%cluster, error = %e, "publishing the TokenExpired Event failed");
+    }
+}
+
 /// Drains the session's queue into the stream until the session is closed.
 async fn send_loop(
     q: Arc<ClusterQueue>,
@@ -303,7 +342,7 @@ async fn send_loop(
             // closed (revoked, cluster removed, hub stopping).
             biased;
             _ = q.closed.cancelled() => {
-                let why = if auth::revoked(&members, &q.identity) {
+                let why = if auth::revoked(&members, &q.identity()) {
                     Status::unauthenticated(format!("credential for cluster {:?} was revoked", q.cluster()))
                 } else {
                     Status::unavailable("the hub closed the session; reconnect")
@@ -366,6 +405,7 @@ async fn receive_loop(
     status: Arc<StatusBoard>,
     membership: Arc<Membership>,
     (recorder, members): (Recorder, Store<MemberCluster>),
+    renewer: Arc<Renewer>,
 ) {
     let Inbound {
         queue,
@@ -414,6 +454,17 @@ async fn receive_loop(
                 let capacity = capacity_from_pb(&c);
                 refused.note(capacity.refused);
                 membership.capacity(&cluster, capacity.value);
+            }
+            Ok(Some(pb::AgentMessage {
+                kind: Some(agent_message::Kind::TokenRenewed(mut answer)),
+            })) => {
+                if answer.error.len() > RENEWAL_ERROR_MAX {
+                    refused.note(Some(Refusal::LongString));
+                    answer
+                        .error
+                        .truncate(answer.error.floor_char_boundary(RENEWAL_ERROR_MAX));
+                }
+                renewer.renewed(&queue, answer).await;
             }
             Ok(Some(_)) => warn!(%cluster, "unexpected message ignored"),
             Ok(None) => break,

@@ -24,7 +24,6 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
-use tonic::transport::Identity;
 
 const CLUSTERS: [&str; 3] = ["c1", "c2", "c3"];
 
@@ -57,7 +56,12 @@ impl Hub {
     async fn start(limits: EdgeLimits, planned: bool) -> Hub {
         let certs =
             flotilla_common::tls::self_signed("edge-ca", "hub", &["localhost".into()]).unwrap();
-        let tls = Identity::from_pem(&certs.cert_pem, certs.key_pem.expose_secret());
+        let tls = flotilla_hub::serving::ServingCert::from_pem(
+            certs.cert_pem.as_bytes(),
+            certs.key_pem.expose_secret().as_bytes(),
+        )
+        .unwrap()
+        .server_config();
         let (store, mut members) = reflector::store::<MemberCluster>();
         let tokens: Vec<(String, SecretString)> = CLUSTERS
             .iter()
@@ -78,6 +82,19 @@ impl Hub {
             dispatcher: dispatcher.clone(),
             status: Arc::new(StatusBoard::default()),
             membership: Arc::new(Membership::new(Duration::from_secs(60))),
+            // Its renewal loop is not run: tokens are not renewed here.
+            renewer: Arc::new(flotilla_hub::renew::Renewer::new(
+                kube::Api::all(
+                    kube::Client::try_from(kube::Config::new(
+                        "http://127.0.0.1:1".parse().unwrap(),
+                    ))
+                    .unwrap(),
+                ),
+                store.clone(),
+                dispatcher.clone(),
+                Duration::from_secs(3600),
+                Default::default(),
+            )),
             members: store,
             leading,
             recorder: kube::runtime::events::Recorder::new(

@@ -74,7 +74,7 @@ fn the_agent_runs_against_the_hub_as_the_member_overlay_says() {
         container["args"]
             .as_array()
             .unwrap()
-            .contains(&json!("--token-file=/hub/token"))
+            .contains(&json!("--token-secret=flotilla-hub-credentials"))
     );
     assert_eq!(
         container["envFrom"],
