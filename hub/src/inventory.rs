@@ -193,14 +193,24 @@ fn healthy(member: &MemberCluster, now: &Time) -> Condition {
     }
 }
 
-/// `Joined`: registered with a credential and pinned by an agent that connected.
+/// `Joined`: registered with a credential that has not expired, and pinned by an agent
+/// that connected.
 fn joined(
     member: &MemberCluster,
     pinned: bool,
     previous: Option<&ClusterProfile>,
     now: &Time,
 ) -> Condition {
-    let (status, reason, message) = match (member.spec.token_sha256.is_some(), pinned) {
+    let spec = &member.spec;
+    let valid = |expires: &Option<Time>| expires.as_ref().is_none_or(|at| at.0 > now.0);
+    let current = spec.token_sha256.is_some() && valid(&spec.token_expires_at);
+    let next = spec.next_token_sha256.is_some() && valid(&spec.next_token_expires_at);
+    let (status, reason, message) = match (spec.token_sha256.is_some(), pinned) {
+        (true, _) if !current && !next => (
+            "False",
+            "CredentialExpired",
+            "the agent's token expired before it was renewed: `flotilla-hub join NAME --rotate` issues a new one",
+        ),
         (false, _) => (
             "False",
             "CredentialRevoked",

@@ -10,7 +10,7 @@ fn member(name: &str, labels: &[(&str, &str)]) -> MemberCluster {
         name,
         MemberClusterSpec {
             token_sha256: Some("ab".repeat(32)),
-            unschedulable: false,
+            ..Default::default()
         },
     );
     m.metadata.uid = Some(format!("uid-of-{name}"));
@@ -319,4 +319,24 @@ fn a_profile_deleted_behind_the_hubs_back_is_created_again_after_the_cache_lag()
     assert!(gate.may_write("p", "", t0 + CACHE_LAG + Duration::from_secs(1)));
     // An update against the version the cache shows goes through.
     assert!(gate.may_write("p", "1", t0 + CACHE_LAG + Duration::from_secs(2)));
+}
+
+#[test]
+fn a_cluster_whose_token_expired_unrenewed_is_not_joined() {
+    let mut m = ready(member("late", &[]), "False");
+    m.spec.token_expires_at = Some(time("2026-02-28T00:00:00Z"));
+    let p = profile(&m, "ns", None, &time(NOW));
+    assert_eq!(condition(&p, JOINED).reason, "CredentialExpired");
+    // A next token still valid: the agent may yet prove it holds it.
+    m.spec.next_token_sha256 = Some("cd".repeat(32));
+    m.spec.next_token_expires_at = Some(time("2026-04-01T00:00:00Z"));
+    let p = profile(&m, "ns", None, &time(NOW));
+    assert_eq!(condition(&p, JOINED).reason, "AgentJoined");
+    // Not yet expired.
+    m.spec.token_expires_at = Some(time("2026-03-02T00:00:00Z"));
+    m.spec.next_token_sha256 = None;
+    assert_eq!(
+        condition(&profile(&m, "ns", None, &time(NOW)), JOINED).reason,
+        "AgentJoined"
+    );
 }
