@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use flotilla_crds::MemberCluster;
@@ -414,6 +414,7 @@ async fn receive_loop(
         ended,
     } = session;
     let cluster = queue.cluster().to_owned();
+    let mut ignored = Throttle::new(WARN_EVERY);
     loop {
         let message = tokio::select! {
             _ = queue.closed.cancelled() => break,
@@ -431,8 +432,10 @@ async fn receive_loop(
                 let report = report.value;
                 if dispatcher.report(&queue, &key, report.held()) {
                     status.report(&cluster, &key, report);
-                } else {
-                    warn!(%cluster, app = %key, "status for a MyApp not placed on this cluster, or from a replaced session, ignored");
+                } else if let Some(held_back) = ignored.said(Instant::now()) {
+                    // A reconnection storm brings these by the thousand: said once a
+                    // while, with how many were not.
+                    warn!(%cluster, app = %key, held_back, "status for a MyApp not placed on this cluster, or from a replaced session, ignored");
                 }
             }
             Ok(Some(pb::AgentMessage {
@@ -484,4 +487,54 @@ async fn receive_loop(
     // MemberCluster turns NotReady (the heartbeat grace), not when a session ends.
     dispatcher.disconnect(&queue);
     info!(%cluster, "agent disconnected");
+}
+
+/// A session's repeated warning is said at most this often.
+const WARN_EVERY: Duration = Duration::from_secs(30);
+
+/// A warning said at most once per period, counting those held back in between.
+struct Throttle {
+    every: Duration,
+    last: Option<Instant>,
+    held_back: u64,
+}
+
+impl Throttle {
+    fn new(every: Duration) -> Self {
+        Self {
+            every,
+            last: None,
+            held_back: 0,
+        }
+    }
+
+    /// Whether to say it now: `Some(held back since the last time)`, else `None`.
+    fn said(&mut self, now: Instant) -> Option<u64> {
+        if self
+            .last
+            .is_some_and(|last| now.duration_since(last) < self.every)
+        {
+            self.held_back += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.held_back))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_throttled_warning_is_said_once_a_period_with_what_it_held_back() {
+        let mut t = Throttle::new(Duration::from_secs(30));
+        let t0 = Instant::now();
+        assert_eq!(t.said(t0), Some(0));
+        assert_eq!(t.said(t0 + Duration::from_secs(1)), None);
+        assert_eq!(t.said(t0 + Duration::from_secs(29)), None);
+        assert_eq!(t.said(t0 + Duration::from_secs(30)), Some(2));
+        assert_eq!(t.said(t0 + Duration::from_secs(31)), None);
+        assert_eq!(t.said(t0 + Duration::from_secs(90)), Some(1));
+    }
 }
