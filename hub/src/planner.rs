@@ -26,6 +26,7 @@ use flotilla_plan::AppPlan;
 use flotilla_plan::admission::Admission;
 use flotilla_plan::index::{AppKey, Desired};
 use flotilla_plan::planner::{self, Apps, Effects, Trigger, key_of, orphans};
+use flotilla_plan::rollout::Observed;
 use futures::{Stream, StreamExt};
 use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -218,6 +219,10 @@ impl Effects for Writes<'_> {
 
     fn forget(&mut self, key: &AppKey) {
         self.status.forget(key);
+    }
+
+    fn observed(&self, key: &AppKey) -> Observed {
+        self.status.observed(key)
     }
 }
 

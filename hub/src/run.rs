@@ -184,6 +184,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     let (member_events, members_listed) = watch_all(&client, members_writer);
     let (app_events, apps_listed) = watch_all(&client, apps_writer);
     let (triggers, triggers_rx) = mpsc::unbounded_channel();
+    status.notify_planner(triggers.clone());
     let (applied, applied_rx) = mpsc::unbounded_channel();
 
     let mut tasks = Supervisor::new(shutdown.clone(), Duration::from_secs(10));

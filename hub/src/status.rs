@@ -14,12 +14,14 @@
 //! leader's first write is not a false "Pending".
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use flotilla_crds::FederatedMyApp;
 use flotilla_crds::federated::FederatedMyAppStatus;
 use flotilla_plan::index::AppKey;
+use flotilla_plan::planner::Trigger;
+use flotilla_plan::rollout::{Observed, Seen};
 use flotilla_plan::status::{Inputs, Report, compute, detail};
 use flotilla_plan::{AppPlan, ClusterPlan, KeepReason};
 use futures::StreamExt;
@@ -31,7 +33,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use parking_lot::Mutex;
 use serde_json::Value;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -68,16 +70,23 @@ impl Planned {
         p.is_some_and(|p| *p != ClusterPlan::Keep(KeepReason::Unplanned))
     }
 
-    /// What a user must fix: the app's error and each cluster's, in words.
+    /// What a user must fix: the app's error (or its halted rollout) and each
+    /// cluster's, in words.
     pub fn errors(&self) -> PlanErrors {
         let failed = self
             .plan
             .reported()
             .filter_map(|(c, p)| Some((c.clone(), p.error()?)));
-        (
-            (self.plan.placement_error.as_ref()).map(|e| (e.reason(), e.to_string())),
-            failed.collect(),
-        )
+        let halted = (self.plan.rollout.as_ref())
+            .filter(|r| r.state == "Halted")
+            .map(|r| ("RolloutHalted", r.message.clone()));
+        let app = (self.plan.placement_error.as_ref()).map(|e| (e.reason(), e.to_string()));
+        (app.or(halted), failed.collect())
+    }
+
+    /// Whether its rollout gate reads the agents' reports.
+    fn progressive(&self) -> bool {
+        self.plan.rollout.is_some()
     }
 }
 
@@ -95,6 +104,9 @@ struct Board {
     /// Clusters whose agent has given this hub its reports since it took the lead (the
     /// agent sends every report before its first heartbeat).
     heard: Arc<HashSet<String>>,
+    /// For progressive apps, by cluster: the hash and readiness last seen, and since
+    /// when this hub sees them (a rollout's soak and deadline count from it).
+    since: HashMap<AppKey, HashMap<String, (String, bool, std::time::Instant)>>,
 }
 
 impl Board {
@@ -170,6 +182,14 @@ impl Snapshot {
 pub struct StatusBoard {
     board: Mutex<Board>,
     dirty: Pending<AppKey>,
+    /// The planner, told when a report moves a progressive app's rollout.
+    planner: OnceLock<mpsc::UnboundedSender<Trigger>>,
+}
+
+/// A cluster's report as a rollout reads it: the hash, and Ready at its generation.
+fn rollout_view(r: &Report) -> (bool, bool, bool) {
+    let ready = r.exists && r.ready && r.observed_generation >= r.generation;
+    (ready, r.degraded.is_some(), r.apply_error.is_some())
 }
 
 impl StatusBoard {
@@ -185,15 +205,70 @@ impl StatusBoard {
         changed
     }
 
+    /// Where a report that moves a progressive app's rollout is told (once, at start).
+    pub fn notify_planner(&self, planner: mpsc::UnboundedSender<Trigger>) {
+        let _ = self.planner.set(planner);
+    }
+
     pub fn report(&self, cluster: &str, key: &AppKey, report: Report) {
         let mut b = self.board.lock();
         let reports = b.reports.entry(key.clone()).or_default();
+        let before = reports
+            .get(cluster)
+            .map(|r| (r.hash.clone(), rollout_view(r)));
         if reports.get(cluster) == Some(&report) {
             return;
         }
+        let after = (report.hash.clone(), rollout_view(&report));
         Arc::make_mut(reports).insert(cluster.to_owned(), report);
+        let moves =
+            before.as_ref() != Some(&after) && b.plans.get(key).is_some_and(|p| p.progressive());
+        if moves {
+            let (hash, (ready, _, _)) = after;
+            let since = b.since.entry(key.clone()).or_default();
+            let same = |(h, r, _): &(String, bool, _)| *h == hash && *r == ready;
+            if !since.get(cluster).is_some_and(same) {
+                since.insert(cluster.to_owned(), (hash, ready, std::time::Instant::now()));
+            }
+        }
         drop(b);
         self.dirty.mark(key.clone());
+        if moves && let Some(planner) = self.planner.get() {
+            let _ = planner.send(Trigger::Observed(key.clone()));
+        }
+    }
+
+    /// What the agents report of a progressive app, for its rollout gate: a report
+    /// seen for the first time is seen since now.
+    pub fn observed(&self, key: &AppKey) -> Observed {
+        let now = std::time::Instant::now();
+        let mut b = self.board.lock();
+        let Some(reports) = b.reports.get(key).cloned() else {
+            return Observed::new();
+        };
+        let since = b.since.entry(key.clone()).or_default();
+        let seen = reports.iter().map(|(cluster, r)| {
+            let (ready, _, _) = rollout_view(r);
+            let fresh = (r.hash.clone(), ready, now);
+            let entry = since
+                .entry(cluster.clone())
+                .or_insert_with(|| fresh.clone());
+            if entry.0 != r.hash || entry.1 != ready {
+                *entry = fresh;
+            }
+            let seen = Seen {
+                hash: r.hash.clone(),
+                ready,
+                degraded: r
+                    .degraded
+                    .as_ref()
+                    .map(|(reason, m)| format!("{reason}: {m}")),
+                apply_error: r.apply_error.clone(),
+                since: entry.2,
+            };
+            (cluster.clone(), seen)
+        });
+        seen.collect()
     }
 
     /// The clusters whose MemberCluster is Ready now: the apps on those that changed may
@@ -241,6 +316,7 @@ impl StatusBoard {
         let mut b = self.board.lock();
         b.remove_plan(key);
         b.reports.remove(key);
+        b.since.remove(key);
         self.dirty.forget(key);
     }
 
@@ -249,6 +325,7 @@ impl StatusBoard {
     fn forget_sessions(&self) {
         let mut b = self.board.lock();
         b.reports.clear();
+        b.since.clear();
         b.heard = Arc::default();
     }
 

@@ -19,7 +19,10 @@
 //!   says which clusters every app was planned for (agents are admitted only then). It
 //!   is looked for at every trigger, so that no plan uses clusters the index was not
 //!   told about; a change of capacity alone plans the apps divided by capacity.
-//! - A recheck plans the apps whose plan asked to be looked at again by now.
+//! - A recheck plans the apps whose plan asked to be looked at again by now (a grace
+//!   period, a rollout's soak or progress deadline that ends).
+//! - A progressive app ([`crate::rollout`]) is planned again when what its agents report
+//!   changes the revision or readiness of one of its clusters (`Observed`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -34,6 +37,7 @@ use crate::admission::Admission;
 use crate::index::{AppKey, Desired};
 use crate::placement::{Labels, Members};
 use crate::plan::{AppPlan, plan};
+use crate::rollout::{self, Observed};
 
 /// How often an app is planned again while it waits: a deletion for clusters to confirm,
 /// a new object for the deletion of an older one of the same name.
@@ -52,6 +56,9 @@ pub enum Trigger {
     Members,
     /// Some plan asked to be looked at again by now.
     Recheck,
+    /// What the agents report of a progressive app changed the revision or readiness of
+    /// one of its clusters: its rollout may move.
+    Observed(AppKey),
 }
 
 /// The FederatedMyApps as the host lists them now.
@@ -82,6 +89,9 @@ pub trait Effects {
     fn publish(&mut self, key: &AppKey, plan: AppPlan, deleting_on: Option<Vec<String>>);
     /// The app is gone: status forgets it.
     fn forget(&mut self, key: &AppKey);
+    /// What the agents report of the app, for its rollout's gate (asked only of a
+    /// progressive app).
+    fn observed(&self, key: &AppKey) -> Observed;
 }
 
 /// The key of a FederatedMyApp: its namespace and name.
@@ -198,7 +208,7 @@ impl Planner {
     ) {
         let replanned = self.plan_for_shape(apps, members, now, fx);
         match trigger {
-            Trigger::Applied(key) => {
+            Trigger::Applied(key) | Trigger::Observed(key) => {
                 if let Some(app) = apps.get(&key).filter(|_| !replanned) {
                     self.plan_app(&app, members, now, fx);
                 }
@@ -281,7 +291,7 @@ impl Planner {
         fx: &mut impl Effects,
     ) {
         let key = key_of(app);
-        let plan = plan(app, members, &self.admission);
+        let mut plan = plan(app, members, &self.admission);
         let recheck = if app.metadata.deletion_timestamp.is_some() {
             // Every registered cluster the spec places it on must confirm, even one this
             // hub never saw hold it (after a restart, say).
@@ -291,6 +301,11 @@ impl Planner {
             fx.publish(&key, plan, Some(waiting));
             recheck
         } else {
+            // A deletion is never held; a live app's new revision waits for its wave.
+            let gated = match rollout::progressive(app) {
+                true => rollout::gate(app, &mut plan, members, &fx.observed(&key), now),
+                false => None,
+            };
             let generation = app.metadata.generation;
             let mut taken = fx.set_app(&key, generation, plan.desired());
             if !taken {
@@ -302,8 +317,12 @@ impl Planner {
             }
             // A grace period that ends, or replacements that may be Ready, change the
             // division with no change to the app.
+            // A soak or a progress deadline that ends moves the rollout on.
             let recheck = match taken {
-                true => plan.schedule.as_ref().and_then(|s| s.recheck_after),
+                true => {
+                    let scheduled = plan.schedule.as_ref().and_then(|s| s.recheck_after);
+                    scheduled.into_iter().chain(gated).min()
+                }
                 false => Some(DELETION_RECHECK),
             };
             fx.publish(&key, plan, None);

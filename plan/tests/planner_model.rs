@@ -25,6 +25,7 @@ use flotilla_plan::admission::Admission;
 use flotilla_plan::index::{AppKey, Change, Desired, Held, Index, Push};
 use flotilla_plan::placement::{Member, Members};
 use flotilla_plan::planner::{Apps, Effects, Planner, Trigger};
+use flotilla_plan::rollout::Observed;
 use flotilla_plan::{AppPlan, plan};
 use proptest::prelude::*;
 use serde_json::json;
@@ -245,6 +246,11 @@ impl Effects for Hub {
     fn forget(&mut self, key: &AppKey) {
         self.wanted.remove(key);
         self.deleting_on.remove(key);
+    }
+
+    /// The model's apps roll out all at once: never asked.
+    fn observed(&self, _: &AppKey) -> Observed {
+        Observed::default()
     }
 }
 
