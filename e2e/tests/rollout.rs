@@ -2,8 +2,10 @@
 //! (cluster1), and the rest only once cluster1 has run it Ready for the soak (sampled in
 //! the members themselves); a revision that never gets Ready halts the rollout after the
 //! first wave with a clear status and Event, the other clusters untouched; pause holds a
-//! fix back, resume rolls it out. Each test ends with the convergence checker green and
-//! no unwanted deletion.
+//! fix back, resume rolls it out; a hub restart mid-soak holds the second wave for a
+//! whole soak from what the agents report; a cluster lost mid-rollout leaves its wave and
+//! keeps what it ran until it is back. Each test ends with the convergence checker green
+//! and no unwanted deletion.
 //!
 //! One test at a time: they time what the members run.
 
@@ -125,14 +127,16 @@ impl Ctx {
     }
 
     /// Waits until the app's status, for its current generation, shows the rollout in
-    /// `state`; returns the app.
-    async fn wait_rollout(&self, name: &str, state: &str) -> Result<FederatedMyApp> {
+    /// `state` (and, with `ready`, the app Ready: a cluster that came back may still
+    /// show disconnected a moment after the rollout completes); returns the app.
+    async fn wait_rollout(&self, name: &str, state: &str, ready: bool) -> Result<FederatedMyApp> {
         let is = |a: Option<&FederatedMyApp>| {
             a.is_some_and(|a| {
                 let status = a.status.as_ref();
                 let current = status.and_then(|s| s.observed_generation) == a.metadata.generation;
                 let rollout = status.and_then(|s| s.rollout.as_ref());
-                current && rollout.is_some_and(|r| r.state == state)
+                let ready = !ready || condition(a, "Ready").0 == "True";
+                current && ready && rollout.is_some_and(|r| r.state == state)
             })
         };
         let what = format!("{name}'s rollout {state}");
@@ -140,15 +144,10 @@ impl Ctx {
         app.context("the app is gone")
     }
 
-    /// Waits until every member runs `name` at one revision, Ready, and status says the
-    /// rollout is complete and the app Ready; returns that revision.
+    /// Waits until the rollout is complete, the app Ready, and every member runs `name`
+    /// at one revision, Ready; returns that revision.
     async fn wait_complete(&self, name: &str) -> Result<String> {
-        let app = self.wait_rollout(name, "Complete").await?;
-        ensure!(
-            condition(&app, "Ready").0 == "True",
-            "{name}: {:?}",
-            app.status
-        );
+        self.wait_rollout(name, "Complete", true).await?;
         wait_for(
             TIMEOUT,
             &format!("{name} Ready at one revision everywhere"),
@@ -299,7 +298,7 @@ async fn a_bad_revision_halts_after_the_first_wave_and_a_fix_resumes() -> Result
     let bad =
         json!({"image": "nginx:1.27", "replicas": 1, "resources": {"requests": {"cpu": "1000"}}});
     c.apply(name, bad, &rollout).await?;
-    let app = c.wait_rollout(name, "Halted").await?;
+    let app = c.wait_rollout(name, "Halted", false).await?;
     let r = app
         .status
         .as_ref()
@@ -347,7 +346,7 @@ async fn a_bad_revision_halts_after_the_first_wave_and_a_fix_resumes() -> Result
     let hub = Federation::load(&c.env)?.hub_cli(&c.env)?;
     hub.run(&["rollout", "pause", name])?;
     c.apply(name, nginx("1.28"), &rollout).await?;
-    let app = c.wait_rollout(name, "Paused").await?;
+    let app = c.wait_rollout(name, "Paused", false).await?;
     ensure!(condition(&app, "Stalled").1 == "RolloutPaused");
     let summary = hub.run(&["rollout", "status", name])?;
     ensure!(
@@ -366,6 +365,113 @@ async fn a_bad_revision_halts_after_the_first_wave_and_a_fix_resumes() -> Result
     hub.run(&["rollout", "resume", name])?;
     let fixed = c.wait_complete(name).await?;
     ensure!(fixed != good && Some(fixed.as_str()) != canary.revision());
+    c.clean(&log).await?;
+    c.delete(name).await
+}
+
+/// Samples the members until cluster2 and cluster3 both run another revision than
+/// `old`; returns when each was first seen on it.
+async fn reached(c: &Ctx, name: &str, old: &str) -> Result<BTreeMap<&'static str, Instant>> {
+    let start = Instant::now();
+    let mut reached = BTreeMap::new();
+    while reached.len() < 2 {
+        ensure!(
+            start.elapsed() < TIMEOUT,
+            "not rolled out in {TIMEOUT:?}: {reached:?}"
+        );
+        let runs = c.runs(name).await?;
+        for m in ["cluster2", "cluster3"] {
+            let revision = runs[m].as_ref().and_then(Runs::revision);
+            if revision.is_some_and(|r| r != old) {
+                reached.entry(m).or_insert_with(Instant::now);
+            }
+        }
+        tokio::time::sleep(SAMPLE).await;
+    }
+    Ok(reached)
+}
+
+/// The hub restarts while the first wave soaks: the new hub knows only what agents
+/// report, so it holds the second wave for a whole soak from the moment it hears them
+/// (never less), and nothing is deleted.
+#[tokio::test]
+async fn a_hub_restart_mid_soak_recomputes_the_rollout_from_reports() -> Result<()> {
+    const SOAK: i32 = 12;
+    let _one = ONE_AT_A_TIME.lock().await;
+    let c = ctx().await?;
+    let log = DeletionLog::start(&c.env).await?;
+    let name = "ro-restart";
+    let rollout = canary_first(SOAK, 120);
+    c.apply(name, nginx("1.27"), &rollout).await?;
+    let old = c.wait_complete(name).await?;
+    c.apply(name, nginx("1.28"), &rollout).await?;
+    wait_for(TIMEOUT, "cluster1 Ready at the new revision", || async {
+        let runs = c.runs(name).await?;
+        let canary = runs["cluster1"].as_ref();
+        Ok(canary
+            .is_some_and(|r| r.ready && r.revision() != Some(old.as_str()))
+            .then_some(()))
+    })
+    .await?;
+    let federation = Federation::load(&c.env)?;
+    let restarted = Instant::now();
+    federation
+        .restart(&c.env, flotilla_lab::federation::HUB)
+        .await?;
+    let reached = reached(&c, name, &old).await?;
+    for (m, at) in &reached {
+        ensure!(
+            *at >= restarted + Duration::from_secs(SOAK as u64),
+            "{m} got the new revision {:?} after the hub restarted: within the soak",
+            at.saturating_duration_since(restarted)
+        );
+    }
+    c.wait_complete(name).await?;
+    c.clean(&log).await?;
+    c.delete(name).await
+}
+
+/// cluster3's agent stops mid-rollout: once its MemberCluster is NotReady it no longer
+/// holds its wave, the rollout completes on the others, and cluster3 keeps what it ran
+/// until it is back, then gets the revision.
+#[tokio::test]
+async fn a_cluster_lost_mid_rollout_does_not_stall_it() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let c = ctx().await?;
+    let log = DeletionLog::start(&c.env).await?;
+    let name = "ro-lost";
+    let rollout = canary_first(2, 120);
+    c.apply(name, nginx("1.27"), &rollout).await?;
+    let old = c.wait_complete(name).await?;
+    let federation = Federation::load(&c.env)?;
+    let agent = flotilla_lab::federation::agent_name("cluster3");
+    federation.stop(&c.env, &agent)?;
+    let lost = async {
+        let grace = Duration::from_secs(30);
+        flotilla_lab::federation::wait_member_ready(&c.host, "cluster3", false, grace).await?;
+        c.apply(name, nginx("1.28"), &rollout).await?;
+        c.wait_rollout(name, "Complete", false).await?;
+        let runs = c.runs(name).await?;
+        let new = runs["cluster1"].as_ref().and_then(Runs::revision);
+        ensure!(new.is_some() && new != Some(old.as_str()), "{runs:?}");
+        ensure!(
+            runs["cluster2"].as_ref().and_then(Runs::revision) == new,
+            "{runs:?}"
+        );
+        let kept = runs["cluster3"].as_ref().and_then(Runs::revision);
+        ensure!(
+            kept == Some(old.as_str()),
+            "cluster3 must keep {old}: {runs:?}"
+        );
+        Ok(())
+    }
+    .await;
+    // Back as `up` launched it, whatever happened.
+    federation.start(&c.env, &agent)?;
+    federation.wait_ready(&agent).await?;
+    lost?;
+    let new = c.wait_complete(name).await?;
+    ensure!(new != old);
     c.clean(&log).await?;
     c.delete(name).await
 }
