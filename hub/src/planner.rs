@@ -113,7 +113,14 @@ impl Planner {
             status: &self.status,
             notices: &self.notices,
         };
+        // A burst of reports asks to plan a progressive app once, not once per report.
+        let mut observed = HashSet::new();
         for trigger in batch {
+            if let Trigger::Observed(key) = &trigger
+                && !observed.insert(key.clone())
+            {
+                continue;
+            }
             core.handle(trigger, &apps, &members, now, &mut writes);
         }
     }

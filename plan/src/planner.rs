@@ -331,3 +331,93 @@ impl Planner {
         self.rechecks.set(&key, recheck.map(|after| now + after));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rollout::Seen;
+
+    struct One(Arc<FederatedMyApp>);
+
+    impl Apps for One {
+        fn get(&self, key: &AppKey) -> Option<Arc<FederatedMyApp>> {
+            (key_of(&self.0) == *key).then(|| self.0.clone())
+        }
+        fn all(&self) -> Vec<Arc<FederatedMyApp>> {
+            vec![self.0.clone()]
+        }
+    }
+
+    /// The last desired set and rollout state, and what the agents report.
+    #[derive(Default)]
+    struct Fx {
+        desired: BTreeMap<String, Desired>,
+        state: Option<String>,
+        observed: Observed,
+    }
+
+    impl Effects for Fx {
+        fn set_app(&mut self, _: &AppKey, _: Option<i64>, d: BTreeMap<String, Desired>) -> bool {
+            self.desired = d;
+            true
+        }
+        fn delete_app(&mut self, _: &AppKey, _: bool, _: &[String]) -> Vec<String> {
+            Vec::new()
+        }
+        fn drop_app(&mut self, _: &AppKey, _: bool, _: bool) {}
+        fn planned_for(&mut self, _: BTreeSet<String>) {}
+        fn publish(&mut self, _: &AppKey, plan: AppPlan, _: Option<Vec<String>>) {
+            self.state = plan.rollout.map(|r| r.state);
+        }
+        fn forget(&mut self, _: &AppKey) {}
+        fn observed(&self, _: &AppKey) -> Observed {
+            self.observed.clone()
+        }
+    }
+
+    /// The planner gates a progressive app with what the agents report, plans it again
+    /// on `Observed`, and asks to be woken when the soak ends.
+    #[test]
+    fn a_progressive_app_is_gated_replanned_on_reports_and_woken_after_the_soak() {
+        let app: FederatedMyApp = serde_yaml::from_str(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: web, namespace: prod, generation: 1}\n\
+             spec:\n  placement: {clusters: [{name: c1}, {name: c2}]}\n  template: {spec: {replicas: 1, image: 'nginx:2'}}\n  \
+             rollout: {type: Progressive, maxConcurrency: 1, minSuccessSeconds: 30}\n",
+        )
+        .unwrap();
+        let key = key_of(&app);
+        let apps = One(Arc::new(app));
+        let members: Members = ["c1", "c2"]
+            .map(|c| (c.to_owned(), Default::default()))
+            .into();
+        let (mut planner, mut fx, t0) = (Planner::default(), Fx::default(), Instant::now());
+        planner.handle(Trigger::Applied(key.clone()), &apps, &members, t0, &mut fx);
+        assert!(matches!(fx.desired["c1"], Desired::Apply(_)));
+        assert_eq!(fx.desired["c2"], Desired::Keep, "held");
+        assert_eq!(fx.state.as_deref(), Some("Progressing"));
+        assert_eq!(
+            planner.next_recheck(),
+            None,
+            "nothing to wait for but reports"
+        );
+        // c1 reports the revision Ready: woken when its soak ends, c2 opened then.
+        let Desired::Apply(r) = &fx.desired["c1"] else {
+            unreachable!()
+        };
+        let seen = Seen {
+            hash: r.hash.clone(),
+            ready: true,
+            degraded: None,
+            apply_error: None,
+            since: t0,
+        };
+        fx.observed.insert("c1".into(), seen);
+        planner.handle(Trigger::Observed(key.clone()), &apps, &members, t0, &mut fx);
+        assert_eq!(fx.desired["c2"], Desired::Keep);
+        assert_eq!(planner.next_recheck(), Some(t0 + Duration::from_secs(30)));
+        let later = t0 + Duration::from_secs(30);
+        planner.handle(Trigger::Recheck, &apps, &members, later, &mut fx);
+        assert!(matches!(fx.desired["c2"], Desired::Apply(_)));
+        assert_eq!(fx.state.as_deref(), Some("Progressing"), "wave 2 of 2");
+    }
+}
