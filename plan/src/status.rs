@@ -760,6 +760,48 @@ mod tests {
         assert!(!s.clusters[0].ready);
     }
 
+    /// A held cluster is placed and not Ready, named last in Propagated as held (not
+    /// as an error); the rollout's state shows, and Reconciling goes on while it
+    /// progresses.
+    #[test]
+    fn a_held_cluster_is_placed_not_ready_and_no_error() {
+        let mut p = plan(&[
+            ("c1", rendered("h1")),
+            ("c2", ClusterPlan::Keep(KeepReason::Held)),
+        ]);
+        p.rollout = Some(RolloutStatus {
+            state: "Progressing".into(),
+            ..Default::default()
+        });
+        let s = run(&p, &[("c1", report("h1", true, 3))], &["c1", "c2"]);
+        assert_eq!((s.placed_clusters, s.ready_clusters), (2, 1));
+        assert_eq!(s.failed_clusters, 0);
+        let propagated = cond(&s, "Propagated");
+        assert_eq!(propagated.reason, "RolloutHeld");
+        assert!(propagated.message.starts_with("c2: held until its wave"));
+        assert_eq!(cond(&s, "Ready").status, "False");
+        assert_eq!(cond(&s, "Reconciling").status, "True");
+        assert_eq!(cond(&s, "Stalled").status, "False");
+        assert_eq!(
+            s.rollout.as_ref().map(|r| r.state.as_str()),
+            Some("Progressing")
+        );
+        // Paused: Stalled, with the rollout's message.
+        p.rollout = Some(RolloutStatus {
+            state: "Paused".into(),
+            message: "paused at wave 1 of 2".into(),
+            ..Default::default()
+        });
+        let s = run(&p, &[("c1", report("h1", true, 3))], &["c1", "c2"]);
+        let stalled = cond(&s, "Stalled");
+        assert_eq!(
+            (stalled.status.as_str(), stalled.reason.as_str()),
+            ("True", "RolloutPaused")
+        );
+        assert_eq!(stalled.message, "paused at wave 1 of 2");
+        assert_eq!(cond(&s, "Reconciling").status, "False");
+    }
+
     #[test]
     fn one_clusters_error_is_shown_for_that_cluster_only() {
         let p = plan(&[
