@@ -211,27 +211,29 @@ impl StatusBoard {
     }
 
     pub fn report(&self, cluster: &str, key: &AppKey, report: Report) {
-        let mut b = self.board.lock();
+        let mut guard = self.board.lock();
+        let b = &mut *guard;
+        let progressive = b.plans.get(key).is_some_and(|p| p.progressive());
         let reports = b.reports.entry(key.clone()).or_default();
-        let before = reports
-            .get(cluster)
-            .map(|r| (r.hash.clone(), rollout_view(r)));
-        if reports.get(cluster) == Some(&report) {
+        let before = reports.get(cluster);
+        if before == Some(&report) {
             return;
         }
-        let after = (report.hash.clone(), rollout_view(&report));
-        Arc::make_mut(reports).insert(cluster.to_owned(), report);
-        let moves =
-            before.as_ref() != Some(&after) && b.plans.get(key).is_some_and(|p| p.progressive());
+        // Only a progressive app's rollout reads the hash and readiness over time.
+        let moves = progressive
+            && before
+                .is_none_or(|r| r.hash != report.hash || rollout_view(r) != rollout_view(&report));
         if moves {
-            let (hash, (ready, _, _)) = after;
+            let (ready, _, _) = rollout_view(&report);
             let since = b.since.entry(key.clone()).or_default();
-            let same = |(h, r, _): &(String, bool, _)| *h == hash && *r == ready;
+            let same = |(h, r, _): &(String, bool, _)| *h == report.hash && *r == ready;
             if !since.get(cluster).is_some_and(same) {
-                since.insert(cluster.to_owned(), (hash, ready, std::time::Instant::now()));
+                let seen = (report.hash.clone(), ready, std::time::Instant::now());
+                since.insert(cluster.to_owned(), seen);
             }
         }
-        drop(b);
+        Arc::make_mut(reports).insert(cluster.to_owned(), report);
+        drop(guard);
         self.dirty.mark(key.clone());
         if moves && let Some(planner) = self.planner.get() {
             let _ = planner.send(Trigger::Observed(key.clone()));
