@@ -76,6 +76,9 @@ pub type Observed = BTreeMap<String, Seen>;
 enum Standing {
     /// It does not run the revision (or nothing is known of it yet).
     Behind,
+    /// It does not run the revision, and its agent's last apply failed (which one, the
+    /// report does not say): halts the rollout once reached, held until then.
+    Refused(String),
     /// Runs it, not Ready yet (deadline at).
     Starting(Instant),
     /// Runs it Ready, soaking until.
@@ -107,11 +110,12 @@ fn standing(target: &str, seen: Option<&Seen>, s: &Settings, now: Instant) -> St
     let Some(seen) = seen else {
         return Standing::Behind;
     };
-    if let Some(e) = &seen.apply_error {
-        return Standing::Failing(format!("applying the MyApp failed: {e}"));
-    }
+    let refused = (seen.apply_error.as_ref()).map(|e| format!("applying the MyApp failed: {e}"));
     if revision_of(&seen.hash) != Some(target) {
-        return Standing::Behind;
+        return refused.map_or(Standing::Behind, Standing::Refused);
+    }
+    if let Some(why) = refused {
+        return Standing::Failing(why);
     }
     if let Some(d) = &seen.degraded {
         return Standing::Failing(format!("Degraded at revision {target}: {d}"));
@@ -297,7 +301,8 @@ fn walk(
     };
     for (i, (_, clusters)) in waves.iter().enumerate() {
         let open = !paused && walk.current.is_none();
-        let behind = clusters.iter().filter(|c| standing[c] == Standing::Behind);
+        let behind = (clusters.iter())
+            .filter(|c| matches!(standing[c], Standing::Behind | Standing::Refused(_)));
         walk.held.extend(behind.filter(|_| !open).cloned());
         if walk.current.is_some() {
             continue;
@@ -310,7 +315,7 @@ fn walk(
                     walk.recheck = Some(walk.recheck.map_or(*at, |r| r.min(*at)));
                     complete = false;
                 }
-                Standing::Behind | Standing::Failing(_) => complete = false,
+                Standing::Behind | Standing::Refused(_) | Standing::Failing(_) => complete = false,
             }
         }
         if !complete {
@@ -336,12 +341,17 @@ impl View<'_> {
         away: &impl Fn(&str) -> bool,
     ) -> RolloutStatus {
         let (waves, current) = (self.waves, self.walk.current);
-        // A cluster that left (NotReady) halts nothing: it is not in the wave any more.
-        let failing = self.standing.iter().find_map(|(c, s)| match s {
-            Standing::Failing(why) if !away(c) => Some((*c, why)),
-            _ => None,
-        });
-        let behind = |s: &&Standing| matches!(s, Standing::Behind);
+        // Only a cluster the rollout reached halts it (one not reached yet may be failing
+        // at its old revision, which the new one may fix); one that left (NotReady)
+        // halts nothing: it is not in the wave any more.
+        let reached = waves.iter().take(current.map_or(waves.len(), |i| i + 1));
+        let failing = reached
+            .flat_map(|(_, cs)| cs)
+            .find_map(|c| match &self.standing[c] {
+                Standing::Failing(why) | Standing::Refused(why) if !away(c) => Some((c, why)),
+                _ => None,
+            });
+        let behind = |s: &&Standing| matches!(s, Standing::Behind | Standing::Refused(_));
         let updated = self.standing.values().filter(|s| !behind(s)).count();
         let held = self.walk.held.len();
         let wave = current.map_or(waves.len(), |i| i + 1);
@@ -409,7 +419,7 @@ fn progressing(
                 "Ready, soaking for {}s more",
                 until.saturating_duration_since(now).as_secs()
             ),
-            Standing::Done | Standing::Failing(_) => return None,
+            Standing::Done | Standing::Failing(_) | Standing::Refused(_) => return None,
         };
         Some(format!("{c}: {why}"))
     });

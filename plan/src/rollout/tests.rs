@@ -309,6 +309,28 @@ fn a_cluster_past_its_deadline_degraded_or_failing_to_apply_halts_the_rollout() 
     assert_eq!(recheck, Some(secs(1)));
 }
 
+/// A cluster the rollout has not reached that fails to apply its old revision does not
+/// halt the rollout (the new revision may be its fix); once reached, it does.
+#[test]
+fn a_cluster_not_reached_yet_halts_nothing() {
+    let t0 = Instant::now();
+    let m = plain(&["c1", "c2"]);
+    let a = progressive(&["c1", "c2"], "1", "nginx:2");
+    let refused = Seen {
+        apply_error: Some("denied by a webhook".into()),
+        ..seen("", false, t0)
+    };
+    let observed: Observed = [("c2".to_owned(), refused)].into();
+    let (p, _) = gated(&a, &m, &observed, t0);
+    assert_eq!(state(&p), ("Progressing", 1, 2));
+    assert_eq!(held(&p), ["c2"]);
+    let mut observed = observed;
+    observed.insert("c1".into(), seen(&hash_for(&a, &m, "c1"), true, t0));
+    let (p, _) = gated(&a, &m, &observed, t0 + secs(SOAK));
+    assert_eq!(state(&p), ("Halted", 2, 2));
+    assert!(held(&p).is_empty(), "c2 is sent the revision all the same");
+}
+
 /// Groups in order, a cluster in two goes with the first, clusters in no group last; a
 /// selector that does not parse selects nothing, with a warning.
 #[test]
