@@ -104,9 +104,24 @@ struct Board {
     /// Clusters whose agent has given this hub its reports since it took the lead (the
     /// agent sends every report before its first heartbeat).
     heard: Arc<HashSet<String>>,
-    /// For progressive apps, by cluster: the hash and readiness last seen, and since
-    /// when this hub sees them (a rollout's soak and deadline count from it).
-    since: HashMap<AppKey, HashMap<String, (String, bool, std::time::Instant)>>,
+    /// What progressive apps' rollouts read of the reports.
+    rollouts: HashMap<AppKey, Rollout>,
+}
+
+/// What one progressive app's rollout read of the reports, and when.
+#[derive(Default)]
+struct Rollout {
+    /// By cluster: the hash and readiness last seen, and since when this hub sees them
+    /// (a rollout's soak and deadline count from it).
+    since: HashMap<String, (String, bool, std::time::Instant)>,
+    /// Reports that moved the rollout so far.
+    moved: u64,
+    /// `moved` when the planner last read the reports, and when the plan on the board
+    /// did: a status computed from a plan gated on fewer reports than the board holds
+    /// waits for the next plan (it could show clusters held that the reports release,
+    /// e.g. every cluster after a hub restart).
+    read: u64,
+    gated: u64,
 }
 
 impl Board {
@@ -159,12 +174,15 @@ struct Snapshot {
     reachable: Arc<HashSet<String>>,
     /// Reachable clusters not yet heard from: the apps on them wait.
     unheard: Vec<String>,
+    /// Progressive apps whose plan was gated on fewer reports than the board holds.
+    stale: HashSet<AppKey>,
 }
 
 impl Snapshot {
-    /// Whether the app's status waits for an agent's reports.
-    fn waits(&self, planned: &Planned) -> bool {
-        self.unheard.iter().any(|c| planned.reports_on(c))
+    /// Whether the app's status waits for an agent's reports, or for the plan that
+    /// reads them.
+    fn waits(&self, key: &AppKey, planned: &Planned) -> bool {
+        self.stale.contains(key) || self.unheard.iter().any(|c| planned.reports_on(c))
     }
 
     fn inputs<'a>(&'a self, planned: &'a Planned, reports: Option<&'a Reports>) -> Inputs<'a> {
@@ -199,6 +217,9 @@ impl StatusBoard {
         let mut b = self.board.lock();
         let before = b.plans.get(key).map(|p| p.errors()).unwrap_or_default();
         let changed = before != plan.errors();
+        if let Some(r) = b.rollouts.get_mut(key) {
+            r.gated = if plan.progressive() { r.read } else { r.moved };
+        }
         b.insert_plan(key, plan);
         drop(b);
         self.dirty.mark(key.clone());
@@ -225,11 +246,12 @@ impl StatusBoard {
                 .is_none_or(|r| r.hash != report.hash || rollout_view(r) != rollout_view(&report));
         if moves {
             let (ready, _, _) = rollout_view(&report);
-            let since = b.since.entry(key.clone()).or_default();
+            let rollout = b.rollouts.entry(key.clone()).or_default();
+            rollout.moved += 1;
             let same = |(h, r, _): &(String, bool, _)| *h == report.hash && *r == ready;
-            if !since.get(cluster).is_some_and(same) {
+            if !rollout.since.get(cluster).is_some_and(same) {
                 let seen = (report.hash.clone(), ready, std::time::Instant::now());
-                since.insert(cluster.to_owned(), seen);
+                rollout.since.insert(cluster.to_owned(), seen);
             }
         }
         Arc::make_mut(reports).insert(cluster.to_owned(), report);
@@ -248,7 +270,9 @@ impl StatusBoard {
         let Some(reports) = b.reports.get(key).cloned() else {
             return Observed::new();
         };
-        let since = b.since.entry(key.clone()).or_default();
+        let rollout = b.rollouts.entry(key.clone()).or_default();
+        rollout.read = rollout.moved;
+        let since = &mut rollout.since;
         let seen = reports.iter().map(|(cluster, r)| {
             let (ready, _, _) = rollout_view(r);
             let fresh = (r.hash.clone(), ready, now);
@@ -318,7 +342,7 @@ impl StatusBoard {
         let mut b = self.board.lock();
         b.remove_plan(key);
         b.reports.remove(key);
-        b.since.remove(key);
+        b.rollouts.remove(key);
         self.dirty.forget(key);
     }
 
@@ -327,13 +351,13 @@ impl StatusBoard {
     fn forget_sessions(&self) {
         let mut b = self.board.lock();
         b.reports.clear();
-        b.since.clear();
+        b.rollouts.clear();
         b.heard = Arc::default();
     }
 
     fn snapshot(&self, keys: impl IntoIterator<Item = AppKey>) -> Snapshot {
         let b = self.board.lock();
-        let apps = keys
+        let apps: Vec<_> = keys
             .into_iter()
             .filter_map(|key| {
                 let planned = b.plans.get(&key)?.clone();
@@ -342,7 +366,11 @@ impl StatusBoard {
             })
             .collect();
         let unheard = b.reachable.iter().filter(|c| !b.heard.contains(*c));
+        let stale = (apps.iter())
+            .filter(|(key, _, _)| b.rollouts.get(key).is_some_and(|r| r.gated < r.moved))
+            .map(|(key, _, _)| key.clone());
         Snapshot {
+            stale: stale.collect(),
             apps,
             unheard: unheard.cloned().collect(),
             reachable: b.reachable.clone(),
@@ -423,7 +451,7 @@ impl StatusBoard {
         let time = Time(Timestamp::now());
         let mut due = Vec::new();
         for (key, planned, reports) in &snapshot.apps {
-            if snapshot.waits(planned) {
+            if snapshot.waits(key, planned) {
                 continue;
             }
             let Some(current) = w

@@ -234,7 +234,7 @@ async fn a_new_leader_writes_an_app_only_once_its_agents_reported() {
     board.set_reachable(set(&["c1", "c2"]));
     let waits = |key: &AppKey| {
         let s = board.snapshot([key.clone()]);
-        s.waits(&s.apps[0].1)
+        s.waits(key, &s.apps[0].1)
     };
     assert!(waits(&a));
     assert!(!waits(&b), "c3 is NotReady: its apps show it at once");
@@ -410,4 +410,50 @@ fn reports_that_move_a_rollout_tell_the_planner_and_date_what_they_show() {
     assert!(board.set_plan(&gated, progressive));
     board.forget(&gated);
     assert!(board.observed(&gated).is_empty());
+}
+
+/// A progressive app's status waits while its plan was gated on fewer reports than the
+/// board holds (after a hub restart that plan holds clusters the reports release), and
+/// is computed again once a plan read them.
+#[test]
+fn a_plan_gated_on_older_reports_makes_the_status_wait() {
+    use flotilla_crds::federated::RolloutStatus;
+    let board = StatusBoard::default();
+    let key = AppKey::new("ns", "gated");
+    let mut progressive = plan(&[("c1", rendered("h1"))]);
+    progressive.plan.rollout = Some(RolloutStatus::default());
+    board.set_plan(&key, progressive.clone());
+    let waits = |board: &StatusBoard| {
+        let snapshot = board.snapshot([key.clone()]);
+        let (k, planned, _) = &snapshot.apps[0];
+        snapshot.waits(k, planned)
+    };
+    assert!(!waits(&board));
+    board.report("c1", &key, ready("h1"));
+    assert!(waits(&board), "the plan predates the report");
+    // The planner reads the reports, then publishes: current again.
+    board.observed(&key);
+    board.set_plan(&key, progressive.clone());
+    assert!(!waits(&board));
+    // A report that changes neither hash nor readiness does not make it wait.
+    board.report(
+        "c1",
+        &key,
+        Report {
+            ready_replicas: 2,
+            ..ready("h1")
+        },
+    );
+    assert!(!waits(&board));
+    // An app that rolls out all at once never waits for it.
+    board.report(
+        "c1",
+        &key,
+        Report {
+            ready: false,
+            ..ready("h1")
+        },
+    );
+    board.set_plan(&key, plan(&[("c1", rendered("h1"))]));
+    assert!(!waits(&board));
 }
