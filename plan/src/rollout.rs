@@ -299,11 +299,18 @@ fn walk(
         current: None,
         recheck: None,
     };
+    let behind = |c: &String| matches!(standing[c], Standing::Behind | Standing::Refused(_));
+    // Whether a wave after each one has a cluster still to reach: a soak gates only
+    // those (so a rollout every cluster of which runs the revision Ready is complete,
+    // also when a hub restart started its soaks again).
+    let mut waiting_after = vec![false; waves.len()];
+    for i in (0..waves.len().saturating_sub(1)).rev() {
+        waiting_after[i] = waiting_after[i + 1] || waves[i + 1].1.iter().any(behind);
+    }
     for (i, (_, clusters)) in waves.iter().enumerate() {
         let open = !paused && walk.current.is_none();
-        let behind = (clusters.iter())
-            .filter(|c| matches!(standing[c], Standing::Behind | Standing::Refused(_)));
-        walk.held.extend(behind.filter(|_| !open).cloned());
+        let held = clusters.iter().filter(|c| !open && behind(c));
+        walk.held.extend(held.cloned());
         if walk.current.is_some() {
             continue;
         }
@@ -311,6 +318,7 @@ fn walk(
         for c in clusters.iter().filter(|c| !away(c)) {
             match &standing[c] {
                 Standing::Done => {}
+                Standing::Soaking(_) if !waiting_after[i] => {}
                 Standing::Soaking(at) | Standing::Starting(at) => {
                     walk.recheck = Some(walk.recheck.map_or(*at, |r| r.min(*at)));
                     complete = false;

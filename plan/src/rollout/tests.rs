@@ -234,6 +234,27 @@ fn the_next_wave_starts_only_after_the_soak() {
     assert_eq!(p.rollout.unwrap().updated_clusters, 3);
 }
 
+/// Every cluster runs the revision Ready but none soaked (a hub that just restarted
+/// sees every report as new): nothing is left to gate, the rollout is complete and asks
+/// for no recheck; the soak of the last wave gates nothing either.
+#[test]
+fn a_soak_gates_only_clusters_still_to_reach() {
+    let t0 = Instant::now();
+    let m = plain(&["c1", "c2"]);
+    let a = progressive(&["c1", "c2"], "1", "nginx:2");
+    let fresh = |c: &str| (c.to_owned(), seen(&hash_for(&a, &m, c), true, t0));
+    let observed: Observed = [fresh("c1"), fresh("c2")].into();
+    let (p, recheck) = gated(&a, &m, &observed, t0);
+    assert_eq!((state(&p), recheck), (("Complete", 2, 2), None));
+    // c2 not reached yet: c1's soak gates it.
+    let observed: Observed = [fresh("c1")].into();
+    let (p, recheck) = gated(&a, &m, &observed, t0);
+    assert_eq!(
+        (state(&p), recheck),
+        (("Progressing", 1, 2), Some(secs(SOAK)))
+    );
+}
+
 /// A report of another revision (the old one, or a hash from before the app was
 /// progressive) is not the revision: the next wave waits.
 #[test]
