@@ -393,7 +393,8 @@ async fn reached(c: &Ctx, name: &str, old: &str) -> Result<BTreeMap<&'static str
 
 /// The hub restarts while the first wave soaks: the new hub knows only what agents
 /// report, so it holds the second wave for a whole soak from the moment it hears them
-/// (never less), and nothing is deleted.
+/// (never less), and nothing is deleted. Restarted once the rollout is complete, it
+/// writes no status.
 #[tokio::test]
 async fn a_hub_restart_mid_soak_recomputes_the_rollout_from_reports() -> Result<()> {
     const SOAK: i32 = 12;
@@ -427,6 +428,19 @@ async fn a_hub_restart_mid_soak_recomputes_the_rollout_from_reports() -> Result<
         );
     }
     c.wait_complete(name).await?;
+    // Complete, the hub restarts again: it relearns it from the reports and writes
+    // nothing (a session reset writes no status), past a heartbeat of every agent.
+    let version = c.fedapps().get(name).await?.resource_version();
+    federation
+        .restart(&c.env, flotilla_lab::federation::HUB)
+        .await?;
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let app = c.fedapps().get(name).await?;
+    ensure!(
+        app.resource_version() == version,
+        "the hub's restart rewrote a complete rollout's status: {:?}",
+        app.status.and_then(|s| s.rollout)
+    );
     c.clean(&log).await?;
     c.delete(name).await
 }
