@@ -17,8 +17,10 @@
 //! Waves go in order; the first wave not complete is the current one, and no later
 //! cluster is sent the revision until it is. A wave is complete when each of its
 //! clusters runs the revision Ready for `minSuccessSeconds`, or is NotReady as a
-//! MemberCluster (unreachable: it leaves the wave, so a cluster failing over never
-//! stalls the rollout; it still gets the revision when it returns). A cluster that runs
+//! MemberCluster (unreachable: it leaves the wave, so a lost cluster does not stall the
+//! rollout; it still gets the revision when it returns), and at least one of them ran
+//! it Ready (no wave moves on without evidence: not when every cluster of it is
+//! NotReady, e.g. every agent still reconnecting to a hub that just restarted). A cluster that runs
 //! the revision Degraded, or not Ready past `progressDeadlineSeconds` after the hub first
 //! saw it there, or whose agent fails to apply it, halts the rollout: no wave after the
 //! current one starts until it recovers or the spec changes. "Since" is as this hub saw
@@ -314,11 +316,14 @@ fn walk(
         if walk.current.is_some() {
             continue;
         }
-        let mut complete = true;
+        // A NotReady cluster does not hold its wave back, but a wave moves on only on the
+        // evidence of one cluster at least: one whose clusters are all NotReady (a lost
+        // canary, every agent still reconnecting to a hub that restarted) waits.
+        let (mut complete, mut evidence) = (true, false);
         for c in clusters.iter().filter(|c| !away(c)) {
             match &standing[c] {
-                Standing::Done => {}
-                Standing::Soaking(_) if !waiting_after[i] => {}
+                Standing::Done => evidence = true,
+                Standing::Soaking(_) if !waiting_after[i] => evidence = true,
                 Standing::Soaking(at) | Standing::Starting(at) => {
                     walk.recheck = Some(walk.recheck.map_or(*at, |r| r.min(*at)));
                     complete = false;
@@ -326,7 +331,7 @@ fn walk(
                 Standing::Behind | Standing::Refused(_) | Standing::Failing(_) => complete = false,
             }
         }
-        if !complete {
+        if !complete || !evidence {
             walk.current = Some(i);
         }
     }
@@ -431,7 +436,10 @@ fn progressing(
         };
         Some(format!("{c}: {why}"))
     });
-    format!("{at}: {}", waiting.unwrap_or_default())
+    let waiting = waiting.unwrap_or_else(|| {
+        "every cluster of it is NotReady: waiting for one to run the revision Ready".into()
+    });
+    format!("{at}: {waiting}")
 }
 
 #[cfg(test)]

@@ -392,7 +392,8 @@ fn groups_overlap_and_the_rest_go_last() {
 
 /// A cluster that joins an earlier wave mid-rollout makes it wait again: clusters of
 /// later waves that do not run the revision yet are held again, those that do are not.
-/// A cluster that leaves (NotReady, or no longer placed) never stalls its wave.
+/// A cluster that leaves the placement never stalls its wave; one NotReady does not
+/// either, once another of its wave ran the revision Ready.
 #[test]
 fn clusters_joining_and_leaving_mid_rollout() {
     let t0 = Instant::now();
@@ -414,12 +415,23 @@ fn clusters_joining_and_leaving_mid_rollout() {
     let (p, _) = gated(&a2, &m2, &observed, t0 + secs(SOAK));
     assert_eq!(state(&p), ("Progressing", 2, 4));
     assert_eq!(held(&p), ["c4"]);
-    // c2 goes NotReady: it no longer holds its wave back (and still gets the revision).
+    // c2 goes NotReady: alone in its wave, it holds it (no evidence yet), and still
+    // gets the revision.
     let mut m3 = m2.clone();
     m3.get_mut("c2").unwrap().not_ready_for = Some(secs(1));
     let (p, _) = gated(&a2, &m3, &observed, t0 + secs(SOAK));
-    assert!(held(&p).is_empty());
+    assert_eq!(held(&p), ["c4"]);
+    assert!(
+        p.rollout
+            .unwrap()
+            .message
+            .contains("every cluster of it is NotReady")
+    );
     assert!(p.clusters["c2"].rendered().is_some());
+    // In a wave of two, the other one's evidence is enough: c2 no longer holds it back.
+    let two = progressive(&joined, "2", "nginx:2");
+    let (p, _) = gated(&two, &m3, &observed, t0 + secs(SOAK));
+    assert!(held(&p).is_empty(), "{:?}", p.rollout);
     // c3 leaves the placement: c4's wave is next.
     let left = ["c1", "c4"];
     let (p, _) = gated(
