@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -34,6 +35,7 @@ pub const ORPHAN_ANNOTATION: &str = "kubefed.io/orphan";
     printcolumn = r#"{"name":"Pending","type":"integer","priority":1,"description":"Placed clusters whose agent has not applied the latest version yet","jsonPath":".status.pendingClusters"}"#,
     printcolumn = r#"{"name":"Disconnected","type":"integer","priority":1,"description":"Placed clusters whose MemberCluster is NotReady","jsonPath":".status.disconnectedClusters"}"#,
     printcolumn = r#"{"name":"Failed","type":"integer","priority":1,"description":"Clusters the MyApp could not be rendered for or applied to","jsonPath":".status.failedClusters"}"#,
+    printcolumn = r#"{"name":"Rollout","type":"string","priority":1,"description":"Where a progressive rollout stands","jsonPath":".status.rollout.state"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -47,6 +49,95 @@ pub struct FederatedMyAppSpec {
     /// Per-cluster changes to the template, applied in the order written.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub overrides: Vec<ClusterOverrides>,
+    /// How a change of the template or the overrides reaches the placed clusters.
+    /// Absent: all at once (type All).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<Rollout>,
+}
+
+/// How a new revision (a change of what a cluster's MyApp runs, its replica count
+/// aside) reaches the placed clusters, after Open Cluster Management's
+/// `RolloutStrategy`. A cluster the rollout has not reached keeps what it runs; a change
+/// of replicas alone (scheduling, capacity, failover) is never held for a cluster that
+/// runs the current revision. A hub restart recomputes where the rollout stands from
+/// what the agents report: a soak in progress starts again.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Rollout {
+    /// All (default): every cluster at once. Progressive: waves of `maxConcurrency`
+    /// clusters, in cluster-name order. ProgressivePerGroup: one wave per group, in the
+    /// order written (split by `maxConcurrency` when set); clusters in no group last.
+    #[serde(default, rename = "type")]
+    pub type_: RolloutType,
+    /// At most this many clusters per wave: a number, or a percentage of the placed
+    /// clusters (rounded up). Below 1: 1; above them all: all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_concurrency: Option<IntOrString>,
+    /// ProgressivePerGroup: the waves in order. A cluster in several groups goes with
+    /// the first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<RolloutGroup>,
+    /// How long every cluster of a wave must run the new revision Ready before the next
+    /// wave starts (the soak). Default 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub min_success_seconds: Option<i32>,
+    /// A cluster that runs the new revision but is not Ready this long after the hub
+    /// first saw it there halts the rollout; a Degraded MyApp or a failed apply halts it
+    /// at once. Default 600.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub progress_deadline_seconds: Option<i32>,
+    /// True: no cluster is sent a revision it does not run yet (`flotilla-hub rollout
+    /// pause|resume`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
+}
+
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum RolloutType {
+    #[default]
+    All,
+    Progressive,
+    ProgressivePerGroup,
+}
+
+/// One wave of a ProgressivePerGroup rollout: the clusters named, and those the
+/// selector selects.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutGroup {
+    /// For status and Events; default `group-N` (1-based).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub clusters: Vec<ClusterRef>,
+    /// A standard label selector over MemberCluster labels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_selector: Option<LabelSelector>,
+}
+
+/// Where a progressive rollout stands.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutStatus {
+    /// The revision being rolled out, as the first 16 hex digits that prefix every
+    /// rendered MyApp's content hash (`flotilla.io/content-hash`); one per distinct
+    /// render, joined by commas, past one.
+    pub revision: String,
+    /// Progressing, Paused, Halted or Complete.
+    pub state: String,
+    /// The wave in progress (1-based); the last when complete.
+    pub wave: i32,
+    pub waves: i32,
+    /// Placed clusters that run the current revision.
+    pub updated_clusters: i32,
+    /// Clusters held back until their wave.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub held_clusters: i32,
+    /// Which wave, which cluster and why, when not Complete.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub message: String,
 }
 
 /// Which member clusters get the MyApp. KubeFed's rule: `clusters`, when present (even
@@ -297,6 +388,9 @@ pub struct FederatedMyAppStatus {
     /// (a division changes as little as it can; cordoned clusters keep what they run).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub division: Vec<DivisionGroup>,
+    /// Where a progressive rollout (`spec.rollout`) stands; absent for type All.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutStatus>,
 }
 
 /// Up to this many clusters, `status.clusters` lists every one.

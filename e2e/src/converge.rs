@@ -1,7 +1,10 @@
 //! The convergence checker: from the host's FederatedMyApps and MemberClusters, what
 //! every member must run (computed with the hub's own planning, `flotilla_plan::plan`),
 //! compared with the managed MyApps each member actually has. Every difference is
-//! reported in words.
+//! reported in words. A progressive app is gated as the hub gates it
+//! (`flotilla_plan::rollout::gate`), from what the members run, each seen Ready only
+//! since now: a cluster the hub may still hold is never a difference, a cluster of an
+//! open wave or one already on the revision must run exactly its render.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -12,6 +15,7 @@ use flotilla_crds::{
 };
 use flotilla_plan::admission::Admission;
 use flotilla_plan::placement::{self, Members};
+use flotilla_plan::rollout::{self, Observed, Seen};
 use flotilla_plan::{ClusterPlan, plan};
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams};
@@ -40,6 +44,8 @@ pub struct Have {
     pub hash: Option<String>,
     pub spec: Value,
     pub autoscaled: bool,
+    /// Its status says Ready at its current generation.
+    pub ready: bool,
 }
 
 /// cluster → key → want. A key absent for a cluster means: no managed MyApp there.
@@ -70,7 +76,13 @@ pub fn members_of(clusters: &[MemberCluster]) -> Members {
 /// What each of `clusters` must run, from the host's apps and registered members. An app
 /// being deleted is wanted nowhere (its copies go, or are released and so no longer
 /// managed); a cluster the hub does not know about is wanted to run nothing managed.
-pub fn desired(apps: &[FederatedMyApp], members: &Members, clusters: &[&str]) -> DesiredState {
+pub fn desired(
+    apps: &[FederatedMyApp],
+    members: &Members,
+    clusters: &[&str],
+    actual: &ActualState,
+) -> DesiredState {
+    let now = Instant::now();
     let mut out: DesiredState = clusters
         .iter()
         .map(|c| (c.to_string(), BTreeMap::new()))
@@ -84,7 +96,12 @@ pub fn desired(apps: &[FederatedMyApp], members: &Members, clusters: &[&str]) ->
             app.namespace().unwrap_or_else(|| "default".into()),
             app.name_any()
         );
-        for (cluster, planned) in plan(app, members, &Admission::default()).clusters {
+        let mut planned = plan(app, members, &Admission::default());
+        if rollout::progressive(app) {
+            let observed = observed(actual, &key, now);
+            rollout::gate(app, &mut planned, members, &observed, now);
+        }
+        for (cluster, planned) in planned.clusters {
             let want = match planned {
                 ClusterPlan::Apply(r) => {
                     let mut value = r.to_value();
@@ -102,6 +119,24 @@ pub fn desired(apps: &[FederatedMyApp], members: &Members, clusters: &[&str]) ->
         }
     }
     out
+}
+
+/// What the members run of one app, as the gate reads it: each seen since `now`.
+fn observed(actual: &ActualState, key: &str, now: Instant) -> Observed {
+    let have = actual
+        .iter()
+        .filter_map(|(c, apps)| Some((c, apps.get(key)?)));
+    have.map(|(cluster, have)| {
+        let seen = Seen {
+            hash: have.hash.clone().unwrap_or_default(),
+            ready: have.ready,
+            degraded: None,
+            apply_error: None,
+            since: now,
+        };
+        (cluster.clone(), seen)
+    })
+    .collect()
 }
 
 /// Compares desired and actual state cluster by cluster. Pure.
@@ -203,10 +238,14 @@ pub async fn managed_myapps(client: &Client) -> Result<BTreeMap<Key, Have>> {
         .into_iter()
         .map(|o| {
             let key = format!("{}/{}", o.namespace().unwrap_or_default(), o.name_any());
+            let status = o.data.get("status");
+            let observed = status.and_then(|s| s["observedGeneration"].as_i64());
+            let current = observed.is_some_and(|g| Some(g) >= o.metadata.generation);
             let have = Have {
                 hash: o.annotations().get(HASH_ANNOTATION).cloned(),
                 spec: o.data.get("spec").cloned().unwrap_or(Value::Null),
                 autoscaled: false,
+                ready: current && status.is_some_and(|s| s["ready"] == Value::Bool(true)),
             };
             (key, have)
         })
@@ -246,7 +285,6 @@ pub async fn check(env: &Env) -> Result<Report> {
         .context("listing MemberClusters on the host")?
         .items;
     let members = env.members();
-    let want = desired(&apps, &members_of(&clusters), &members);
     let mut have = ActualState::new();
     for m in &members {
         let client = env.client(m).await?;
@@ -261,6 +299,7 @@ pub async fn check(env: &Env) -> Result<Report> {
         }
         have.insert(m.to_string(), managed);
     }
+    let want = desired(&apps, &members_of(&clusters), &members, &have);
     Ok(compare(&want, &have))
 }
 
@@ -330,7 +369,58 @@ mod tests {
             hash: Some(hash.into()),
             spec,
             autoscaled: false,
+            ready: false,
         }
+    }
+
+    /// A progressive app: the cluster the hub may still hold is no difference whatever
+    /// it runs; once it runs the revision it must run exactly its render.
+    #[test]
+    fn a_cluster_the_rollout_may_hold_is_no_difference() {
+        let rolled = app(
+            "web",
+            json!({"placement": {"clusters": [{"name": "a"}, {"name": "b"}]},
+                   "template": {"spec": {"replicas": 2, "image": "nginx:2"}},
+                   "rollout": {"type": "Progressive", "maxConcurrency": 1, "minSuccessSeconds": 30}}),
+        );
+        let m = members(&[("a", &[]), ("b", &[])]);
+        let nothing = desired(
+            std::slice::from_ref(&rolled),
+            &m,
+            &["a", "b"],
+            &ActualState::new(),
+        );
+        let (hash, spec) = exactly(&nothing, "a", "default/web");
+        assert_eq!(nothing["b"]["default/web"], Want::Any, "held until a soaks");
+        let old = have(
+            "0123456789abcdef-old",
+            json!({"replicas": 2, "image": "nginx:1"}),
+        );
+        let new = Have {
+            ready: true,
+            ..have(&hash, spec.clone())
+        };
+        let actual: ActualState = BTreeMap::from([
+            (
+                "a".into(),
+                BTreeMap::from([("default/web".into(), new.clone())]),
+            ),
+            ("b".into(), BTreeMap::from([("default/web".into(), old)])),
+        ]);
+        let d = desired(std::slice::from_ref(&rolled), &m, &["a", "b"], &actual);
+        assert!(
+            compare(&d, &actual).is_converged(),
+            "{:?}",
+            compare(&d, &actual)
+        );
+        // b runs the revision with the wrong replicas: now a difference.
+        let wrong = have(&hash, json!({"replicas": 7, "image": "nginx:2"}));
+        let actual: ActualState = BTreeMap::from([
+            ("a".into(), BTreeMap::from([("default/web".into(), new)])),
+            ("b".into(), BTreeMap::from([("default/web".into(), wrong)])),
+        ]);
+        let d = desired(std::slice::from_ref(&rolled), &m, &["a", "b"], &actual);
+        assert_eq!(compare(&d, &actual).differences.len(), 1);
     }
 
     #[test]
@@ -342,6 +432,7 @@ mod tests {
             std::slice::from_ref(&seed),
             &m,
             &["cluster1", "cluster2", "cluster3"],
+            &ActualState::new(),
         );
         let (h1, s1) = exactly(&d, "cluster1", "default/my-app-sample");
         let (h2, s2) = exactly(&d, "cluster2", "default/my-app-sample");
@@ -371,7 +462,12 @@ mod tests {
                 k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
             ));
         let m = members(&[("a", &[]), ("b", &[])]);
-        let d = desired(&[bad, going], &m, &["a", "b", "unregistered"]);
+        let d = desired(
+            &[bad, going],
+            &m,
+            &["a", "b", "unregistered"],
+            &ActualState::new(),
+        );
         assert!(matches!(d["a"]["default/bad"], Want::Exactly { .. }));
         assert_eq!(d["b"]["default/bad"], Want::Any);
         assert!(!d["a"].contains_key("default/going"));
@@ -387,7 +483,7 @@ mod tests {
                    "template": {"spec": {"replicas": 1}}}),
         );
         let m = members(&[("a", &[("region", "eu")]), ("b", &[("region", "us")])]);
-        let d = desired(&[sel], &m, &["a", "b"]);
+        let d = desired(&[sel], &m, &["a", "b"], &ActualState::new());
         assert!(d["a"].contains_key("default/sel"));
         assert!(d["b"].is_empty());
     }
@@ -449,6 +545,7 @@ mod tests {
                         hash: None,
                         spec: Value::Null,
                         autoscaled: false,
+                        ready: false,
                     },
                 )]),
             ),

@@ -1,5 +1,6 @@
 //! Command line: `render` (offline preview), `crds`, `certs`, `version`, `completion`;
-//! `run` drives the hub; `join`, `revoke`, `unjoin`, `cordon` and `uncordon` manage
+//! `run` drives the hub; `rollout` pauses and resumes a progressive rollout; `join`,
+//! `revoke`, `unjoin`, `cordon` and `uncordon` manage
 //! member clusters.
 
 use std::io::Read;
@@ -65,6 +66,8 @@ pub enum Command {
     /// Every cluster of a FederatedMyApp, from the leading hub (its status on the host
     /// lists only the most urgent past 50 clusters).
     Status(crate::detail::StatusArgs),
+    /// Where a FederatedMyApp's progressive rollout stands; pause or resume it.
+    Rollout(RolloutArgs),
     /// Print the CustomResourceDefinitions Flotilla installs.
     Crds {
         /// Print instead the cluster inventory API's CRDs (ClusterProfile,
@@ -340,6 +343,26 @@ pub struct UnjoinArgs {
 pub struct CordonArgs {
     /// The MemberCluster's name.
     pub name: String,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RolloutArgs {
+    #[arg(value_enum)]
+    pub action: RolloutAction,
+    /// The FederatedMyApp's name.
+    pub name: String,
+    #[arg(short = 'n', long, default_value = "default")]
+    pub namespace: String,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RolloutAction {
+    /// Print `status.rollout` and the Ready and Stalled conditions.
+    Status,
+    /// Set `spec.rollout.paused`: no cluster is sent a revision it does not run yet.
+    Pause,
+    /// Clear `spec.rollout.paused`: the waves go on where they stand.
+    Resume,
 }
 
 #[derive(clap::Args, Debug)]
@@ -650,6 +673,81 @@ pub async fn cordon(kube: &KubeArgs, args: &CordonArgs, unschedulable: bool) -> 
     Ok(())
 }
 
+/// `flotilla-hub rollout status|pause|resume NAME`: reads `status.rollout`, or sets
+/// `spec.rollout.paused` with a merge patch (nothing else of the spec moves). Pausing an
+/// app that rolls out all at once is refused: there is nothing to pause.
+pub async fn rollout(kube: &KubeArgs, args: &RolloutArgs) -> anyhow::Result<()> {
+    use kube::api::{Api, Patch, PatchParams};
+    let client = kube
+        .client()
+        .await
+        .context("connecting to the host cluster")?;
+    let api: Api<FederatedMyApp> = Api::namespaced(client, &args.namespace);
+    let who = format!("FederatedMyApp {}/{}", args.namespace, args.name);
+    let app = api
+        .get(&args.name)
+        .await
+        .with_context(|| format!("reading {who}"))?;
+    if args.action == RolloutAction::Status {
+        print!("{}", rollout_summary(&app));
+        return Ok(());
+    }
+    anyhow::ensure!(
+        flotilla_plan::rollout::progressive(&app),
+        "{who} rolls out to every cluster at once (spec.rollout.type is All or absent): there is no rollout to pause or resume"
+    );
+    let paused = args.action == RolloutAction::Pause;
+    api.patch(
+        &args.name,
+        &PatchParams::default(),
+        &Patch::Merge(&paused_patch(paused)),
+    )
+    .await
+    .with_context(|| format!("setting spec.rollout.paused of {who}"))?;
+    let what = match paused {
+        true => "paused: no cluster is sent a revision it does not run yet",
+        false => "resumed: the waves go on where they stand",
+    };
+    eprintln!("{who} {what}");
+    Ok(())
+}
+
+/// `null` rather than `false` on resume: the field reads as absent.
+fn paused_patch(paused: bool) -> Value {
+    let value = if paused {
+        Value::Bool(true)
+    } else {
+        Value::Null
+    };
+    serde_json::json!({"spec": {"rollout": {"paused": value}}})
+}
+
+/// What `rollout status` prints.
+fn rollout_summary(app: &FederatedMyApp) -> String {
+    let status = app.status.as_ref();
+    let Some(r) = status.and_then(|s| s.rollout.as_ref()) else {
+        return match flotilla_plan::rollout::progressive(app) {
+            true => "rollout: not planned yet (no status.rollout)\n".to_owned(),
+            false => "rollout: All (every cluster at once)\n".to_owned(),
+        };
+    };
+    let mut out = format!(
+        "rollout: {} at wave {} of {}\nrevision: {}\nupdated clusters: {}, held: {}\n",
+        r.state, r.wave, r.waves, r.revision, r.updated_clusters, r.held_clusters
+    );
+    if !r.message.is_empty() {
+        out.push_str(&format!("message: {}\n", r.message));
+    }
+    let conditions = status.map_or(&[][..], |s| s.conditions.as_slice());
+    for c in conditions
+        .iter()
+        .filter(|c| c.type_ == "Ready" || c.type_ == "Stalled")
+    {
+        out.push_str(&format!("{}: {} ({})\n", c.type_, c.status, c.reason));
+    }
+    out
+}
+
 /// `null` rather than `false` on uncordon: the field reads as absent, as it was before.
 fn cordon_patch(unschedulable: bool) -> Value {
     let value = if unschedulable {
@@ -781,6 +879,54 @@ mod join_tests {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pause sets only `spec.rollout.paused`; resume leaves it as if never set; status
+    /// prints where the rollout stands.
+    #[test]
+    fn rollout_pauses_resumes_and_summarises() {
+        use clap::Parser;
+        let parse = |args: &[&str]| Cli::try_parse_from(args);
+        let cli = parse(&["flotilla-hub", "rollout", "pause", "web", "-n", "prod"]).unwrap();
+        let Command::Rollout(args) = cli.command else {
+            panic!("not rollout")
+        };
+        assert_eq!(
+            (args.action, args.name.as_str()),
+            (RolloutAction::Pause, "web")
+        );
+        assert!(parse(&["flotilla-hub", "rollout", "abort", "web"]).is_err());
+        let mut app: FederatedMyApp = serde_yaml::from_str(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: web}\n\
+             spec: {rollout: {type: Progressive, maxConcurrency: 1}}\n",
+        )
+        .unwrap();
+        let mut spec = serde_json::to_value(&app.spec).unwrap();
+        json_patch::merge(&mut spec, &paused_patch(true)["spec"]);
+        assert_eq!(spec["rollout"]["paused"], Value::Bool(true));
+        assert_eq!(spec["rollout"]["maxConcurrency"], 1);
+        json_patch::merge(&mut spec, &paused_patch(false)["spec"]);
+        let resumed: flotilla_crds::FederatedMyAppSpec = serde_json::from_value(spec).unwrap();
+        assert_eq!(resumed, app.spec);
+        assert!(rollout_summary(&app).contains("not planned yet"));
+        app.status = Some(flotilla_crds::FederatedMyAppStatus {
+            rollout: Some(flotilla_crds::federated::RolloutStatus {
+                revision: "0123456789abcdef".into(),
+                state: "Halted".into(),
+                wave: 1,
+                waves: 2,
+                updated_clusters: 1,
+                held_clusters: 2,
+                message: "halted at wave 1 of 2: cluster c1".into(),
+            }),
+            ..Default::default()
+        });
+        let summary = rollout_summary(&app);
+        assert!(
+            summary.starts_with("rollout: Halted at wave 1 of 2\n"),
+            "{summary}"
+        );
+        assert!(summary.contains("message: halted at wave 1 of 2: cluster c1"));
+    }
 
     #[test]
     fn cordon_patches_only_unschedulable() {

@@ -54,6 +54,7 @@ fn main() -> ExitCode {
                         Command::Cordon(args) => cli::cordon(&kube, &args, true).await,
                         Command::Uncordon(args) => cli::cordon(&kube, &args, false).await,
                         Command::Status(args) => flotilla_hub::detail::status(&kube, &args).await,
+                        Command::Rollout(args) => cli::rollout(&kube, &args).await,
                         _ => unreachable!("handled above"),
                     }
                 })

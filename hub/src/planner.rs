@@ -26,6 +26,7 @@ use flotilla_plan::AppPlan;
 use flotilla_plan::admission::Admission;
 use flotilla_plan::index::{AppKey, Desired};
 use flotilla_plan::planner::{self, Apps, Effects, Trigger, key_of, orphans};
+use flotilla_plan::rollout::Observed;
 use futures::{Stream, StreamExt};
 use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -112,7 +113,14 @@ impl Planner {
             status: &self.status,
             notices: &self.notices,
         };
+        // A burst of reports asks to plan a progressive app once, not once per report.
+        let mut observed = HashSet::new();
         for trigger in batch {
+            if let Trigger::Observed(key) = &trigger
+                && !observed.insert(key.clone())
+            {
+                continue;
+            }
             core.handle(trigger, &apps, &members, now, &mut writes);
         }
     }
@@ -218,6 +226,10 @@ impl Effects for Writes<'_> {
 
     fn forget(&mut self, key: &AppKey) {
         self.status.forget(key);
+    }
+
+    fn observed(&self, key: &AppKey) -> Observed {
+        self.status.observed(key)
     }
 }
 

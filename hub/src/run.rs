@@ -207,6 +207,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     let (app_events, apps_listed) = watch_all(&client, apps_writer);
     let inventory_apps_listed = apps_listed.clone();
     let (triggers, triggers_rx) = mpsc::unbounded_channel();
+    status.notify_planner(triggers.clone());
     let (applied, applied_rx) = mpsc::unbounded_channel();
 
     let mut tasks = Supervisor::new(shutdown.clone(), Duration::from_secs(10));

@@ -14,12 +14,14 @@
 //! leader's first write is not a false "Pending".
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use flotilla_crds::FederatedMyApp;
 use flotilla_crds::federated::FederatedMyAppStatus;
 use flotilla_plan::index::AppKey;
+use flotilla_plan::planner::Trigger;
+use flotilla_plan::rollout::{Observed, Seen};
 use flotilla_plan::status::{Inputs, Report, compute, detail};
 use flotilla_plan::{AppPlan, ClusterPlan, KeepReason};
 use futures::StreamExt;
@@ -31,7 +33,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use parking_lot::Mutex;
 use serde_json::Value;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -69,16 +71,23 @@ impl Planned {
         p.is_some_and(|p| *p != ClusterPlan::Keep(KeepReason::Unplanned))
     }
 
-    /// What a user must fix: the app's error and each cluster's, in words.
+    /// What a user must fix: the app's error (or its halted rollout) and each
+    /// cluster's, in words.
     pub fn errors(&self) -> PlanErrors {
         let failed = self
             .plan
             .reported()
             .filter_map(|(c, p)| Some((c.clone(), p.error()?)));
-        (
-            (self.plan.placement_error.as_ref()).map(|e| (e.reason(), e.to_string())),
-            failed.collect(),
-        )
+        let halted = (self.plan.rollout.as_ref())
+            .filter(|r| r.state == "Halted")
+            .map(|r| ("RolloutHalted", r.message.clone()));
+        let app = (self.plan.placement_error.as_ref()).map(|e| (e.reason(), e.to_string()));
+        (app.or(halted), failed.collect())
+    }
+
+    /// Whether its rollout gate reads the agents' reports.
+    fn progressive(&self) -> bool {
+        self.plan.rollout.is_some()
     }
 }
 
@@ -96,6 +105,24 @@ struct Board {
     /// Clusters whose agent has given this hub its reports since it took the lead (the
     /// agent sends every report before its first heartbeat).
     heard: Arc<HashSet<String>>,
+    /// What progressive apps' rollouts read of the reports.
+    rollouts: HashMap<AppKey, Rollout>,
+}
+
+/// What one progressive app's rollout read of the reports, and when.
+#[derive(Default)]
+struct Rollout {
+    /// By cluster: the hash and readiness last seen, and since when this hub sees them
+    /// (a rollout's soak and deadline count from it).
+    since: HashMap<String, (String, bool, std::time::Instant)>,
+    /// Reports that moved the rollout so far.
+    moved: u64,
+    /// `moved` when the planner last read the reports, and when the plan on the board
+    /// did: a status computed from a plan gated on fewer reports than the board holds
+    /// waits for the next plan (it could show clusters held that the reports release,
+    /// e.g. every cluster after a hub restart).
+    read: u64,
+    gated: u64,
 }
 
 impl Board {
@@ -148,12 +175,15 @@ struct Snapshot {
     reachable: Arc<HashSet<String>>,
     /// Reachable clusters not yet heard from: the apps on them wait.
     unheard: Vec<String>,
+    /// Progressive apps whose plan was gated on fewer reports than the board holds.
+    stale: HashSet<AppKey>,
 }
 
 impl Snapshot {
-    /// Whether the app's status waits for an agent's reports.
-    fn waits(&self, planned: &Planned) -> bool {
-        self.unheard.iter().any(|c| planned.reports_on(c))
+    /// Whether the app's status waits for an agent's reports, or for the plan that
+    /// reads them.
+    fn waits(&self, key: &AppKey, planned: &Planned) -> bool {
+        self.stale.contains(key) || self.unheard.iter().any(|c| planned.reports_on(c))
     }
 
     fn inputs<'a>(&'a self, planned: &'a Planned, reports: Option<&'a Reports>) -> Inputs<'a> {
@@ -173,6 +203,14 @@ pub struct StatusBoard {
     dirty: Pending<AppKey>,
     /// Apps whose chosen clusters changed, for their PlacementDecisions.
     pub placements: Pending<AppKey>,
+    /// The planner, told when a report moves a progressive app's rollout.
+    planner: OnceLock<mpsc::UnboundedSender<Trigger>>,
+}
+
+/// A cluster's report as a rollout reads it: the hash, and Ready at its generation.
+fn rollout_view(r: &Report) -> (bool, bool, bool) {
+    let ready = r.exists && r.ready && r.observed_generation >= r.generation;
+    (ready, r.degraded.is_some(), r.apply_error.is_some())
 }
 
 impl StatusBoard {
@@ -184,6 +222,9 @@ impl StatusBoard {
         let before = previous.map(|p| p.errors()).unwrap_or_default();
         let changed = before != plan.errors();
         let moved = previous.is_none_or(|p| chosen(&p.plan) != chosen(&plan.plan));
+        if let Some(r) = b.rollouts.get_mut(key) {
+            r.gated = if plan.progressive() { r.read } else { r.moved };
+        }
         b.insert_plan(key, plan);
         drop(b);
         self.dirty.mark(key.clone());
@@ -193,15 +234,75 @@ impl StatusBoard {
         changed
     }
 
+    /// Where a report that moves a progressive app's rollout is told (once, at start).
+    pub fn notify_planner(&self, planner: mpsc::UnboundedSender<Trigger>) {
+        let _ = self.planner.set(planner);
+    }
+
     pub fn report(&self, cluster: &str, key: &AppKey, report: Report) {
-        let mut b = self.board.lock();
+        let mut guard = self.board.lock();
+        let b = &mut *guard;
+        let progressive = b.plans.get(key).is_some_and(|p| p.progressive());
         let reports = b.reports.entry(key.clone()).or_default();
-        if reports.get(cluster) == Some(&report) {
+        let before = reports.get(cluster);
+        if before == Some(&report) {
             return;
         }
+        // Only a progressive app's rollout reads the hash and readiness over time.
+        let moves = progressive
+            && before
+                .is_none_or(|r| r.hash != report.hash || rollout_view(r) != rollout_view(&report));
+        if moves {
+            let (ready, _, _) = rollout_view(&report);
+            let rollout = b.rollouts.entry(key.clone()).or_default();
+            rollout.moved += 1;
+            let same = |(h, r, _): &(String, bool, _)| *h == report.hash && *r == ready;
+            if !rollout.since.get(cluster).is_some_and(same) {
+                let seen = (report.hash.clone(), ready, std::time::Instant::now());
+                rollout.since.insert(cluster.to_owned(), seen);
+            }
+        }
         Arc::make_mut(reports).insert(cluster.to_owned(), report);
-        drop(b);
+        drop(guard);
         self.dirty.mark(key.clone());
+        if moves && let Some(planner) = self.planner.get() {
+            let _ = planner.send(Trigger::Observed(key.clone()));
+        }
+    }
+
+    /// What the agents report of a progressive app, for its rollout gate: a report
+    /// seen for the first time is seen since now.
+    pub fn observed(&self, key: &AppKey) -> Observed {
+        let now = std::time::Instant::now();
+        let mut b = self.board.lock();
+        let Some(reports) = b.reports.get(key).cloned() else {
+            return Observed::new();
+        };
+        let rollout = b.rollouts.entry(key.clone()).or_default();
+        rollout.read = rollout.moved;
+        let since = &mut rollout.since;
+        let seen = reports.iter().map(|(cluster, r)| {
+            let (ready, _, _) = rollout_view(r);
+            let fresh = (r.hash.clone(), ready, now);
+            let entry = since
+                .entry(cluster.clone())
+                .or_insert_with(|| fresh.clone());
+            if entry.0 != r.hash || entry.1 != ready {
+                *entry = fresh;
+            }
+            let seen = Seen {
+                hash: r.hash.clone(),
+                ready,
+                degraded: r
+                    .degraded
+                    .as_ref()
+                    .map(|(reason, m)| format!("{reason}: {m}")),
+                apply_error: r.apply_error.clone(),
+                since: entry.2,
+            };
+            (cluster.clone(), seen)
+        });
+        seen.collect()
     }
 
     /// The clusters whose MemberCluster is Ready now: the apps on those that changed may
@@ -249,6 +350,7 @@ impl StatusBoard {
         let mut b = self.board.lock();
         b.remove_plan(key);
         b.reports.remove(key);
+        b.rollouts.remove(key);
         self.dirty.forget(key);
         self.placements.forget(key);
     }
@@ -268,12 +370,13 @@ impl StatusBoard {
     fn forget_sessions(&self) {
         let mut b = self.board.lock();
         b.reports.clear();
+        b.rollouts.clear();
         b.heard = Arc::default();
     }
 
     fn snapshot(&self, keys: impl IntoIterator<Item = AppKey>) -> Snapshot {
         let b = self.board.lock();
-        let apps = keys
+        let apps: Vec<_> = keys
             .into_iter()
             .filter_map(|key| {
                 let planned = b.plans.get(&key)?.clone();
@@ -282,7 +385,11 @@ impl StatusBoard {
             })
             .collect();
         let unheard = b.reachable.iter().filter(|c| !b.heard.contains(*c));
+        let stale = (apps.iter())
+            .filter(|(key, _, _)| b.rollouts.get(key).is_some_and(|r| r.gated < r.moved))
+            .map(|(key, _, _)| key.clone());
         Snapshot {
+            stale: stale.collect(),
             apps,
             unheard: unheard.cloned().collect(),
             reachable: b.reachable.clone(),
@@ -363,7 +470,7 @@ impl StatusBoard {
         let time = Time(Timestamp::now());
         let mut due = Vec::new();
         for (key, planned, reports) in &snapshot.apps {
-            if snapshot.waits(planned) {
+            if snapshot.waits(key, planned) {
                 continue;
             }
             let Some(current) = w

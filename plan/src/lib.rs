@@ -15,6 +15,8 @@
 //!   content hash);
 //! - [`mod@plan`]: the entry point, [`plan()`]: placement → schedule → render per cluster,
 //!   into one [`AppPlan`] whose per-cluster [`ClusterPlan`] says apply, keep or nothing;
+//! - [`rollout`]: which placed clusters a new revision may reach now (waves, soak,
+//!   deadline), from what the agents report;
 //! - [`index`]: the desired set per cluster and what agents hold, the state machine the
 //!   safety rules live in;
 //! - [`planner`]: which apps each trigger (an app applied or gone, the clusters changed,
@@ -30,6 +32,7 @@ pub mod placement;
 pub mod plan;
 pub mod planner;
 pub mod render;
+pub mod rollout;
 pub mod schedule;
 pub mod status;
 

@@ -55,6 +55,9 @@ pub enum KeepReason {
     /// cluster that takes no new replicas (NotReady within the grace period, cordoned)
     /// and is given none. Status does not report on it.
     Unplanned,
+    /// A progressive rollout has not reached it yet ([`crate::rollout`]): it runs
+    /// another revision, or nothing, until its wave.
+    Held,
 }
 
 impl ClusterPlan {
@@ -122,6 +125,9 @@ pub struct AppPlan {
     pub clusters: BTreeMap<String, ClusterPlan>,
     /// Things the user wrote that have no effect, e.g. overrides for unplaced clusters.
     pub warnings: Vec<String>,
+    /// Where a progressive rollout stands ([`crate::rollout::gate`]); `None` for type
+    /// All.
+    pub rollout: Option<flotilla_crds::federated::RolloutStatus>,
 }
 
 impl AppPlan {
@@ -248,6 +254,7 @@ fn placed(
         schedule: Some(schedule),
         clusters,
         warnings,
+        rollout: None,
     }
 }
 
@@ -1134,6 +1141,7 @@ mod tests {
                 schedule: Some(schedule),
                 clusters,
                 warnings: unplaced_overrides(app, &decision.clusters),
+                rollout: None,
             }
         }
 

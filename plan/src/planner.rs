@@ -19,7 +19,10 @@
 //!   says which clusters every app was planned for (agents are admitted only then). It
 //!   is looked for at every trigger, so that no plan uses clusters the index was not
 //!   told about; a change of capacity alone plans the apps divided by capacity.
-//! - A recheck plans the apps whose plan asked to be looked at again by now.
+//! - A recheck plans the apps whose plan asked to be looked at again by now (a grace
+//!   period, a rollout's soak or progress deadline that ends).
+//! - A progressive app ([`crate::rollout`]) is planned again when what its agents report
+//!   changes the revision or readiness of one of its clusters (`Observed`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -34,6 +37,7 @@ use crate::admission::Admission;
 use crate::index::{AppKey, Desired};
 use crate::placement::{Labels, Members};
 use crate::plan::{AppPlan, plan};
+use crate::rollout::{self, Observed};
 
 /// How often an app is planned again while it waits: a deletion for clusters to confirm,
 /// a new object for the deletion of an older one of the same name.
@@ -52,6 +56,9 @@ pub enum Trigger {
     Members,
     /// Some plan asked to be looked at again by now.
     Recheck,
+    /// What the agents report of a progressive app changed the revision or readiness of
+    /// one of its clusters: its rollout may move.
+    Observed(AppKey),
 }
 
 /// The FederatedMyApps as the host lists them now.
@@ -82,6 +89,9 @@ pub trait Effects {
     fn publish(&mut self, key: &AppKey, plan: AppPlan, deleting_on: Option<Vec<String>>);
     /// The app is gone: status forgets it.
     fn forget(&mut self, key: &AppKey);
+    /// What the agents report of the app, for its rollout's gate (asked only of a
+    /// progressive app).
+    fn observed(&self, key: &AppKey) -> Observed;
 }
 
 /// The key of a FederatedMyApp: its namespace and name.
@@ -198,7 +208,7 @@ impl Planner {
     ) {
         let replanned = self.plan_for_shape(apps, members, now, fx);
         match trigger {
-            Trigger::Applied(key) => {
+            Trigger::Applied(key) | Trigger::Observed(key) => {
                 if let Some(app) = apps.get(&key).filter(|_| !replanned) {
                     self.plan_app(&app, members, now, fx);
                 }
@@ -281,7 +291,7 @@ impl Planner {
         fx: &mut impl Effects,
     ) {
         let key = key_of(app);
-        let plan = plan(app, members, &self.admission);
+        let mut plan = plan(app, members, &self.admission);
         let recheck = if app.metadata.deletion_timestamp.is_some() {
             // Every registered cluster the spec places it on must confirm, even one this
             // hub never saw hold it (after a restart, say).
@@ -291,6 +301,11 @@ impl Planner {
             fx.publish(&key, plan, Some(waiting));
             recheck
         } else {
+            // A deletion is never held; a live app's new revision waits for its wave.
+            let gated = match rollout::progressive(app) {
+                true => rollout::gate(app, &mut plan, members, &fx.observed(&key), now),
+                false => None,
+            };
             let generation = app.metadata.generation;
             let mut taken = fx.set_app(&key, generation, plan.desired());
             if !taken {
@@ -302,13 +317,107 @@ impl Planner {
             }
             // A grace period that ends, or replacements that may be Ready, change the
             // division with no change to the app.
+            // A soak or a progress deadline that ends moves the rollout on.
             let recheck = match taken {
-                true => plan.schedule.as_ref().and_then(|s| s.recheck_after),
+                true => {
+                    let scheduled = plan.schedule.as_ref().and_then(|s| s.recheck_after);
+                    scheduled.into_iter().chain(gated).min()
+                }
                 false => Some(DELETION_RECHECK),
             };
             fx.publish(&key, plan, None);
             recheck
         };
         self.rechecks.set(&key, recheck.map(|after| now + after));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rollout::Seen;
+
+    struct One(Arc<FederatedMyApp>);
+
+    impl Apps for One {
+        fn get(&self, key: &AppKey) -> Option<Arc<FederatedMyApp>> {
+            (key_of(&self.0) == *key).then(|| self.0.clone())
+        }
+        fn all(&self) -> Vec<Arc<FederatedMyApp>> {
+            vec![self.0.clone()]
+        }
+    }
+
+    /// The last desired set and rollout state, and what the agents report.
+    #[derive(Default)]
+    struct Fx {
+        desired: BTreeMap<String, Desired>,
+        state: Option<String>,
+        observed: Observed,
+    }
+
+    impl Effects for Fx {
+        fn set_app(&mut self, _: &AppKey, _: Option<i64>, d: BTreeMap<String, Desired>) -> bool {
+            self.desired = d;
+            true
+        }
+        fn delete_app(&mut self, _: &AppKey, _: bool, _: &[String]) -> Vec<String> {
+            Vec::new()
+        }
+        fn drop_app(&mut self, _: &AppKey, _: bool, _: bool) {}
+        fn planned_for(&mut self, _: BTreeSet<String>) {}
+        fn publish(&mut self, _: &AppKey, plan: AppPlan, _: Option<Vec<String>>) {
+            self.state = plan.rollout.map(|r| r.state);
+        }
+        fn forget(&mut self, _: &AppKey) {}
+        fn observed(&self, _: &AppKey) -> Observed {
+            self.observed.clone()
+        }
+    }
+
+    /// The planner gates a progressive app with what the agents report, plans it again
+    /// on `Observed`, and asks to be woken when the soak ends.
+    #[test]
+    fn a_progressive_app_is_gated_replanned_on_reports_and_woken_after_the_soak() {
+        let app: FederatedMyApp = serde_yaml::from_str(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: web, namespace: prod, generation: 1}\n\
+             spec:\n  placement: {clusters: [{name: c1}, {name: c2}]}\n  template: {spec: {replicas: 1, image: 'nginx:2'}}\n  \
+             rollout: {type: Progressive, maxConcurrency: 1, minSuccessSeconds: 30}\n",
+        )
+        .unwrap();
+        let key = key_of(&app);
+        let apps = One(Arc::new(app));
+        let members: Members = ["c1", "c2"]
+            .map(|c| (c.to_owned(), Default::default()))
+            .into();
+        let (mut planner, mut fx, t0) = (Planner::default(), Fx::default(), Instant::now());
+        planner.handle(Trigger::Applied(key.clone()), &apps, &members, t0, &mut fx);
+        assert!(matches!(fx.desired["c1"], Desired::Apply(_)));
+        assert_eq!(fx.desired["c2"], Desired::Keep, "held");
+        assert_eq!(fx.state.as_deref(), Some("Progressing"));
+        assert_eq!(
+            planner.next_recheck(),
+            None,
+            "nothing to wait for but reports"
+        );
+        // c1 reports the revision Ready: woken when its soak ends, c2 opened then.
+        let Desired::Apply(r) = &fx.desired["c1"] else {
+            unreachable!()
+        };
+        let seen = Seen {
+            hash: r.hash.clone(),
+            ready: true,
+            degraded: None,
+            apply_error: None,
+            since: t0,
+        };
+        fx.observed.insert("c1".into(), seen);
+        planner.handle(Trigger::Observed(key.clone()), &apps, &members, t0, &mut fx);
+        assert_eq!(fx.desired["c2"], Desired::Keep);
+        assert_eq!(planner.next_recheck(), Some(t0 + Duration::from_secs(30)));
+        let later = t0 + Duration::from_secs(30);
+        planner.handle(Trigger::Recheck, &apps, &members, later, &mut fx);
+        assert!(matches!(fx.desired["c2"], Desired::Apply(_)));
+        assert_eq!(fx.state.as_deref(), Some("Progressing"), "wave 2 of 2");
     }
 }

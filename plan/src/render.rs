@@ -68,6 +68,9 @@ pub struct Template<'a> {
     doc: Value,
     namespace: &'a str,
     name: &'a str,
+    /// Under a progressive rollout the content hash starts with the revision
+    /// ([`revisioned_hash`]).
+    revisioned: bool,
 }
 
 impl<'a> Template<'a> {
@@ -76,6 +79,7 @@ impl<'a> Template<'a> {
             doc: template_doc(app),
             namespace: app.metadata.namespace.as_deref().unwrap_or("default"),
             name: app.metadata.name.as_deref().unwrap_or_default(),
+            revisioned: crate::rollout::progressive(app),
         }
     }
 
@@ -86,7 +90,8 @@ impl<'a> Template<'a> {
         ops: &[Located<'_>],
         replicas: Option<u32>,
     ) -> Result<Rendered, RenderError> {
-        render_one(&self.doc, ops, self.namespace, self.name, replicas)
+        let who = (self.namespace, self.name);
+        render_one(&self.doc, ops, who, replicas, self.revisioned)
     }
 }
 
@@ -114,9 +119,9 @@ const REPLICAS: &Pointer = Pointer::from_static("/spec/replicas");
 fn render_one(
     base: &Value,
     ops: &[Located<'_>],
-    namespace: &str,
-    name: &str,
+    (namespace, name): (&str, &str),
     replicas: Option<u32>,
+    revisioned: bool,
 ) -> Result<Rendered, RenderError> {
     let mut doc = base.clone();
     if let Some(n) = replicas {
@@ -158,7 +163,10 @@ fn render_one(
         return Err(invalid(e.instance_path().to_string(), e.to_string()));
     }
     let asked = myapp["spec"]["replicas"].as_u64().unwrap_or(1) as u32;
-    let hash = content_hash(&myapp);
+    let hash = match revisioned {
+        true => revisioned_hash(&myapp),
+        false => content_hash(&myapp),
+    };
     myapp["metadata"]["annotations"][HASH_ANNOTATION] = Value::String(hash.clone());
     let json = serde_json::to_vec(&myapp).expect("a JSON value serializes");
     Ok(Rendered {
@@ -168,6 +176,37 @@ fn render_one(
         },
         replicas: asked,
     })
+}
+
+/// Width of the revision that prefixes a progressive app's content hash.
+pub const REVISION_LEN: usize = 16;
+
+/// A progressive app's content hash: `<revision>-<content>`, the revision being the
+/// first [`REVISION_LEN`] hex digits of the hash of the MyApp without `spec.replicas`
+/// and the content the first 47 of the full hash, 64 characters in all (what the wire
+/// bounds a hash to). The agent reports the hash it runs verbatim, so the hub reads from
+/// any report, after its own restart too, which revision a member runs, with no change
+/// to the wire or the agent; a replica count alone never changes the revision.
+pub fn revisioned_hash(myapp: &Value) -> String {
+    let mut without = myapp.clone();
+    if let Some(spec) = without.get_mut("spec").and_then(Value::as_object_mut) {
+        spec.remove("replicas");
+    }
+    let revision = content_hash(&without);
+    let content = content_hash(myapp);
+    format!(
+        "{}-{}",
+        &revision[..REVISION_LEN],
+        &content[..63 - REVISION_LEN]
+    )
+}
+
+/// The revision a hash names: its prefix, when it is a progressive app's.
+pub fn revision_of(hash: &str) -> Option<&str> {
+    let (revision, content) = hash.split_once('-')?;
+    let hex = |s: &str| s.bytes().all(|b| b.is_ascii_hexdigit());
+    (revision.len() == REVISION_LEN && content.len() == 63 - REVISION_LEN && hex(revision))
+        .then_some(revision)
 }
 
 /// Labels and annotations must stay maps of strings whatever the overrides did.

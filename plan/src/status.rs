@@ -15,7 +15,9 @@
 use std::collections::{BTreeMap, HashSet};
 
 use flotilla_crds::condition;
-use flotilla_crds::federated::{ClusterStatus, FULL_LIST_MAX, FederatedMyAppStatus, URGENT_MAX};
+use flotilla_crds::federated::{
+    ClusterStatus, FULL_LIST_MAX, FederatedMyAppStatus, RolloutStatus, URGENT_MAX,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use crate::index::Held;
@@ -69,6 +71,9 @@ impl Report {
     }
 }
 
+/// What status says of a cluster a progressive rollout holds back.
+pub const HELD: &str = "held until its wave of the rollout (status.rollout): it keeps what it runs";
+
 /// Why a cluster's MyApp is not propagated, most urgent first: errors a user must fix
 /// before states that pass by themselves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -77,6 +82,8 @@ pub enum Reason {
     ApplyFailed,
     AgentDisconnected,
     Pending,
+    /// A progressive rollout has not reached it yet.
+    Held,
 }
 
 impl Reason {
@@ -86,6 +93,7 @@ impl Reason {
             Reason::ApplyFailed => "ApplyFailed",
             Reason::AgentDisconnected => "AgentDisconnected",
             Reason::Pending => "Pending",
+            Reason::Held => "RolloutHeld",
         }
     }
 }
@@ -200,7 +208,14 @@ fn fold(
         _ => ready(&tally, limits.condition_message, cond),
     };
     let (unplannable, deleting) = (plan.placement_error.is_some(), inputs.deleting_on.is_some());
-    let [reconciling, stalled] = progress(&tally, unplannable, deleting, &propagated, &ready, cond);
+    let rollout = plan.rollout.as_ref();
+    let [reconciling, stalled] = progress(
+        &tally,
+        (unplannable, deleting, rollout),
+        &propagated,
+        &ready,
+        cond,
+    );
     let before: &[Condition] = previous.map_or(&[], |p| &p.conditions);
     let failed = tally.count(Reason::RenderFailed) + tally.count(Reason::ApplyFailed);
     let mut status = FederatedMyAppStatus {
@@ -218,6 +233,7 @@ fn fold(
         failed_over_clusters: tally.failed_over,
         current_replicas: current_replicas(&tally),
         clusters: tally.clusters.iter().map(|(c, _)| c.clone()).collect(),
+        rollout: plan.rollout.clone(),
         ..Default::default()
     };
     if let Some(schedule) = &plan.schedule {
@@ -284,6 +300,10 @@ fn tally(inputs: &Inputs<'_>, message_max: usize) -> Tally {
         }
         let standing = match planned {
             ClusterPlan::Keep(KeepReason::FailedOver) => Standing::FailedOver,
+            ClusterPlan::Keep(KeepReason::Held) => {
+                tally.placed += 1;
+                Standing::Behind(Reason::Held, HELD.to_owned())
+            }
             ClusterPlan::Apply(rendered) => {
                 tally.placed += 1;
                 let reachable = inputs.reachable.contains(name);
@@ -431,13 +451,13 @@ fn ready(
 /// kstatus's abnormal-true pair, so that `kubectl wait`, Flux and Argo CD tell a
 /// finished rollout without a health script of their own. `Stalled`: nothing changes
 /// until the spec or the fleet does (an invalid placement, a template that cannot be
-/// rendered for a cluster, no cluster selected). `Reconciling`: otherwise, until every
+/// rendered for a cluster, no cluster selected, a rollout halted or paused).
+/// `Reconciling`: otherwise, until every
 /// placed cluster runs the current version Ready. Short messages: `Propagated` and
 /// `Ready` name the clusters, and the status stays within its bound.
 fn progress(
     tally: &Tally,
-    unplannable: bool,
-    deleting: bool,
+    (unplannable, deleting, rollout): (bool, bool, Option<&RolloutStatus>),
     propagated: &Condition,
     ready: &Condition,
     cond: impl Fn(&str, bool, &str, String) -> Condition,
@@ -457,6 +477,12 @@ fn progress(
     } else if tally.placed == 0 {
         let why = "the placement selects no registered cluster";
         Some(("NoClusters", why.to_owned()))
+    } else if let Some(r) = rollout.filter(|r| r.state == "Halted" || r.state == "Paused") {
+        let reason = match r.state.as_str() {
+            "Halted" => "RolloutHalted",
+            _ => "RolloutPaused",
+        };
+        Some((reason, r.message.clone()))
     } else {
         None
     };
@@ -514,7 +540,7 @@ fn join_capped(items: Vec<String>, sep: &str, max: usize) -> String {
 }
 
 /// `s` cut to at most `max` bytes on a character boundary, ending in "…" when cut.
-fn cut(mut s: String, max: usize) -> String {
+pub(crate) fn cut(mut s: String, max: usize) -> String {
     if s.len() <= max {
         return s;
     }
@@ -732,6 +758,48 @@ mod tests {
         assert_eq!(cond(&s, "Propagated").reason, "Pending");
         assert_eq!(cond(&s, "Ready").status, "False");
         assert!(!s.clusters[0].ready);
+    }
+
+    /// A held cluster is placed and not Ready, named last in Propagated as held (not
+    /// as an error); the rollout's state shows, and Reconciling goes on while it
+    /// progresses.
+    #[test]
+    fn a_held_cluster_is_placed_not_ready_and_no_error() {
+        let mut p = plan(&[
+            ("c1", rendered("h1")),
+            ("c2", ClusterPlan::Keep(KeepReason::Held)),
+        ]);
+        p.rollout = Some(RolloutStatus {
+            state: "Progressing".into(),
+            ..Default::default()
+        });
+        let s = run(&p, &[("c1", report("h1", true, 3))], &["c1", "c2"]);
+        assert_eq!((s.placed_clusters, s.ready_clusters), (2, 1));
+        assert_eq!(s.failed_clusters, 0);
+        let propagated = cond(&s, "Propagated");
+        assert_eq!(propagated.reason, "RolloutHeld");
+        assert!(propagated.message.starts_with("c2: held until its wave"));
+        assert_eq!(cond(&s, "Ready").status, "False");
+        assert_eq!(cond(&s, "Reconciling").status, "True");
+        assert_eq!(cond(&s, "Stalled").status, "False");
+        assert_eq!(
+            s.rollout.as_ref().map(|r| r.state.as_str()),
+            Some("Progressing")
+        );
+        // Paused: Stalled, with the rollout's message.
+        p.rollout = Some(RolloutStatus {
+            state: "Paused".into(),
+            message: "paused at wave 1 of 2".into(),
+            ..Default::default()
+        });
+        let s = run(&p, &[("c1", report("h1", true, 3))], &["c1", "c2"]);
+        let stalled = cond(&s, "Stalled");
+        assert_eq!(
+            (stalled.status.as_str(), stalled.reason.as_str()),
+            ("True", "RolloutPaused")
+        );
+        assert_eq!(stalled.message, "paused at wave 1 of 2");
+        assert_eq!(cond(&s, "Reconciling").status, "False");
     }
 
     #[test]

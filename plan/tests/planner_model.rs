@@ -1,7 +1,8 @@
 //! A model of the hub around its planning core: random interleavings of app events
 //! (applied with growing generations, deleted with or without `kubefed.io/orphan`, the
 //! finalizer removed by hand, re-created under the same name), membership events (join,
-//! leave, labels, readiness), agents (connect, disconnect, take their queue) and rechecks,
+//! leave, labels, readiness), agents (connect, disconnect, take their queue; what they
+//! apply is reported back Ready and plans the app again) and rechecks,
 //! fed to `Planner` over a real `Index` as the hub's planner task feeds it: one trigger at
 //! a time, with the apps and clusters as they are when it is taken.
 //!
@@ -13,7 +14,8 @@
 //! - a finalizer is released only when no connected cluster holds the MyApp or has it
 //!   queued, and no registered cluster holds a copy it was sent (rule 3);
 //! - at the end, every trigger processed and every agent connected, each member runs
-//!   exactly what the plan of the final state renders for it, the index desires exactly
+//!   exactly what the plan of the final state renders for it (gated by its rollout, for
+//!   the progressive variant, with what the agents reported), the index desires exactly
 //!   that, and no deletion waits.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
@@ -25,6 +27,7 @@ use flotilla_plan::admission::Admission;
 use flotilla_plan::index::{AppKey, Change, Desired, Held, Index, Push};
 use flotilla_plan::placement::{Member, Members};
 use flotilla_plan::planner::{Apps, Effects, Planner, Trigger};
+use flotilla_plan::rollout::{self, Observed, Seen};
 use flotilla_plan::{AppPlan, plan};
 use proptest::prelude::*;
 use serde_json::json;
@@ -77,7 +80,7 @@ fn event() -> impl Strategy<Value = Event> {
     let app = || 0..APPS;
     let c = || 0..CLUSTERS;
     prop_oneof![
-        3 => (app(), 0u8..4, 1u8..4).prop_map(|(app, variant, replicas)| Event::Apply { app, variant, replicas }),
+        3 => (app(), 0u8..5, 1u8..4).prop_map(|(app, variant, replicas)| Event::Apply { app, variant, replicas }),
         1 => app().prop_map(Event::AddFinalizer),
         1 => (app(), any::<bool>()).prop_map(|(a, o)| Event::Orphan(a, o)),
         1 => app().prop_map(Event::Delete),
@@ -117,6 +120,11 @@ impl App {
                         "failover": {"gracePeriodSeconds": 2}}),
             _ => json!({"clusterSelector": {}}),
         };
+        // Variant 4 rolls out one cluster at a time, each soaking a second.
+        let rollout = match self.variant {
+            4 => json!({"type": "Progressive", "maxConcurrency": 1, "minSuccessSeconds": 1}),
+            _ => json!(null),
+        };
         // Variant 3 cannot render for c1 (11 replicas break the schema): c1 keeps.
         let overrides = match self.variant {
             3 => {
@@ -129,7 +137,7 @@ impl App {
             "metadata": {"name": key.name, "namespace": key.namespace,
                          "uid": format!("uid-{}", self.uid), "generation": self.generation,
                          "annotations": {"kubefed.io/orphan": self.orphan.to_string()}},
-            "spec": {"placement": placement, "overrides": overrides,
+            "spec": {"placement": placement, "overrides": overrides, "rollout": rollout,
                      "template": {"spec": {"replicas": self.replicas, "image": "nginx:1.27"}}},
         });
         if self.deleting {
@@ -199,6 +207,9 @@ struct Hub {
     wanted: BTreeMap<AppKey, BTreeSet<String>>,
     planned_for: BTreeSet<String>,
     pushed: Vec<Push>,
+    /// What agents reported applying, as the status board keeps it: each MyApp Ready
+    /// at once, since it was applied.
+    observed: BTreeMap<AppKey, Observed>,
 }
 
 impl Effects for Hub {
@@ -245,6 +256,10 @@ impl Effects for Hub {
     fn forget(&mut self, key: &AppKey) {
         self.wanted.remove(key);
         self.deleting_on.remove(key);
+    }
+
+    fn observed(&self, key: &AppKey) -> Observed {
+        self.observed.get(key).cloned().unwrap_or_default()
     }
 }
 
@@ -525,11 +540,13 @@ impl Model {
             return Ok(());
         }
         let mut reports = Vec::new();
+        let mut applied = Vec::new();
         for (slot, message) in std::mem::take(&mut agent.queue) {
             match (slot, message) {
                 (Some(key), Message::Change(Change::Apply(r))) => {
                     agent.myapps.insert(key.clone(), (r.hash.clone(), true));
                     agent.sent.insert(key.clone());
+                    applied.push((key.clone(), r.hash.clone()));
                     reports.push((key, Held::Present));
                 }
                 (Some(key), Message::Change(Change::Delete { orphan })) => {
@@ -553,6 +570,23 @@ impl Model {
             }
         }
         let name = cluster(c);
+        // The board tells the planner of a new hash (the hub does for progressive apps
+        // only; another plan of the others is harmless).
+        for (key, hash) in applied {
+            let seen = self.hub.observed.entry(key.clone()).or_default();
+            if seen.get(&name).is_none_or(|s| s.hash != hash) {
+                let (ready, degraded, apply_error, since) = (true, None, None, self.now);
+                let s = Seen {
+                    hash,
+                    ready,
+                    degraded,
+                    apply_error,
+                    since,
+                };
+                seen.insert(name.clone(), s);
+                self.trigger(Trigger::Observed(key));
+            }
+        }
         for (key, held) in reports {
             if self.hub.index.is_placed(&name, &key) {
                 let pushes = self.hub.index.report(&name, &key, held);
@@ -641,7 +675,10 @@ impl Model {
         let mut want: BTreeMap<String, BTreeMap<AppKey, Desired>> = BTreeMap::new();
         for (key, (app, object)) in &self.host.apps {
             prop_assert!(!app.deleting, "{key} still being deleted");
-            for (c, d) in plan(object, &members, &Admission::default()).desired() {
+            let mut planned = plan(object, &members, &Admission::default());
+            let observed = self.hub.observed(key);
+            rollout::gate(object, &mut planned, &members, &observed, self.now);
+            for (c, d) in planned.desired() {
                 want.entry(c).or_default().insert(key.clone(), d);
             }
         }

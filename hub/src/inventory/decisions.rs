@@ -48,8 +48,9 @@ const NAME_MAX: usize = 253;
 /// Longest label value.
 const LABEL_VALUE_MAX: usize = 63;
 
-/// The clusters the app is placed on, by name, each with why: those sent a MyApp and
-/// those whose MyApp cannot be rendered (placed all the same). Not a cluster that failed
+/// The clusters the app is placed on, by name, each with why: those sent a MyApp, those
+/// whose MyApp cannot be rendered and those a rollout has not reached yet (placed all
+/// the same). Not a cluster that failed
 /// over, nor one kept because the app as a whole could not be planned, nor an unknown
 /// name.
 pub fn chosen(plan: &AppPlan) -> Vec<(String, String)> {
@@ -64,6 +65,10 @@ pub fn chosen(plan: &AppPlan) -> Vec<(String, String)> {
             ClusterPlan::Keep(KeepReason::RenderFailed(_)) => Some((
                 cluster.clone(),
                 format!("{}; its MyApp cannot be rendered", why(cluster)),
+            )),
+            ClusterPlan::Keep(KeepReason::Held) => Some((
+                cluster.clone(),
+                format!("{}; the rollout has not reached it yet", why(cluster)),
             )),
             ClusterPlan::Keep(KeepReason::FailedOver | KeepReason::Unplanned)
             | ClusterPlan::Unknown => None,

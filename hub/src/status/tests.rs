@@ -234,7 +234,7 @@ async fn a_new_leader_writes_an_app_only_once_its_agents_reported() {
     board.set_reachable(set(&["c1", "c2"]));
     let waits = |key: &AppKey| {
         let s = board.snapshot([key.clone()]);
-        s.waits(&s.apps[0].1)
+        s.waits(key, &s.apps[0].1)
     };
     assert!(waits(&a));
     assert!(!waits(&b), "c3 is NotReady: its apps show it at once");
@@ -371,4 +371,122 @@ async fn placements_are_marked_only_when_the_chosen_clusters_change() {
         ]),
     );
     assert_eq!(taken().await, vec![key]);
+}
+
+/// A progressive app's planner hears of each report that changes a cluster's hash or
+/// readiness (not of one that changes neither); the gate reads since when this hub sees
+/// each, and a halted rollout is an error worth an Event.
+#[test]
+fn reports_that_move_a_rollout_tell_the_planner_and_date_what_they_show() {
+    use flotilla_crds::federated::RolloutStatus;
+    let board = StatusBoard::default();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    board.notify_planner(tx);
+    let (plain, gated) = (AppKey::new("ns", "plain"), AppKey::new("ns", "gated"));
+    board.set_plan(&plain, plan(&[("c1", rendered("h1"))]));
+    let mut progressive = plan(&[("c1", rendered("h1"))]);
+    progressive.plan.rollout = Some(RolloutStatus::default());
+    board.set_plan(&gated, progressive.clone());
+    board.report("c1", &plain, ready("h0"));
+    assert!(rx.try_recv().is_err(), "an app rolled out all at once");
+    let before = std::time::Instant::now();
+    board.report(
+        "c1",
+        &gated,
+        Report {
+            ready: false,
+            ..ready("h1")
+        },
+    );
+    assert_eq!(rx.try_recv().ok(), Some(Trigger::Observed(gated.clone())));
+    let first = board.observed(&gated)["c1"].clone();
+    assert!(!first.ready && first.since >= before);
+    // Replicas moving, same hash and readiness: nothing to tell.
+    board.report(
+        "c1",
+        &gated,
+        Report {
+            ready: false,
+            ready_replicas: 0,
+            ..ready("h1")
+        },
+    );
+    assert!(rx.try_recv().is_err());
+    assert_eq!(board.observed(&gated)["c1"].since, first.since);
+    board.report("c1", &gated, ready("h1"));
+    assert_eq!(rx.try_recv().ok(), Some(Trigger::Observed(gated.clone())));
+    let now = board.observed(&gated)["c1"].clone();
+    assert!(now.ready && now.since >= first.since);
+    // A Degraded report moves it too (a halt), and is read with its reason.
+    let degraded = Report {
+        degraded: Some(("ImagePull".into(), "no such image".into())),
+        ..ready("h1")
+    };
+    board.report("c1", &gated, degraded);
+    assert_eq!(rx.try_recv().ok(), Some(Trigger::Observed(gated.clone())));
+    let seen = board.observed(&gated)["c1"].clone();
+    assert_eq!(seen.degraded.as_deref(), Some("ImagePull: no such image"));
+    assert_eq!(seen.since, now.since, "readiness and hash did not change");
+    // Halted: an app-level error, for its Event.
+    progressive.plan.rollout = Some(RolloutStatus {
+        state: "Halted".into(),
+        message: "halted at wave 1 of 2".into(),
+        ..Default::default()
+    });
+    assert_eq!(
+        progressive.errors(),
+        (
+            Some(("RolloutHalted", "halted at wave 1 of 2".to_owned())),
+            vec![]
+        )
+    );
+    assert!(board.set_plan(&gated, progressive));
+    board.forget(&gated);
+    assert!(board.observed(&gated).is_empty());
+}
+
+/// A progressive app's status waits while its plan was gated on fewer reports than the
+/// board holds (after a hub restart that plan holds clusters the reports release), and
+/// is computed again once a plan read them.
+#[test]
+fn a_plan_gated_on_older_reports_makes_the_status_wait() {
+    use flotilla_crds::federated::RolloutStatus;
+    let board = StatusBoard::default();
+    let key = AppKey::new("ns", "gated");
+    let mut progressive = plan(&[("c1", rendered("h1"))]);
+    progressive.plan.rollout = Some(RolloutStatus::default());
+    board.set_plan(&key, progressive.clone());
+    let waits = |board: &StatusBoard| {
+        let snapshot = board.snapshot([key.clone()]);
+        let (k, planned, _) = &snapshot.apps[0];
+        snapshot.waits(k, planned)
+    };
+    assert!(!waits(&board));
+    board.report("c1", &key, ready("h1"));
+    assert!(waits(&board), "the plan predates the report");
+    // The planner reads the reports, then publishes: current again.
+    board.observed(&key);
+    board.set_plan(&key, progressive.clone());
+    assert!(!waits(&board));
+    // A report that changes neither hash nor readiness does not make it wait.
+    board.report(
+        "c1",
+        &key,
+        Report {
+            ready_replicas: 2,
+            ..ready("h1")
+        },
+    );
+    assert!(!waits(&board));
+    // An app that rolls out all at once never waits for it.
+    board.report(
+        "c1",
+        &key,
+        Report {
+            ready: false,
+            ..ready("h1")
+        },
+    );
+    board.set_plan(&key, plan(&[("c1", rendered("h1"))]));
+    assert!(!waits(&board));
 }

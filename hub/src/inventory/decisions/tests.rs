@@ -40,6 +40,7 @@ fn chosen_are_the_placed_clusters_with_their_share_and_the_unrenderable_ones() {
             ("c".into(), ClusterPlan::Keep(KeepReason::FailedOver)),
             ("d".into(), ClusterPlan::Keep(KeepReason::Unplanned)),
             ("e".into(), ClusterPlan::Unknown),
+            ("f".into(), ClusterPlan::Keep(KeepReason::Held)),
         ]),
         schedule: Some(Schedule {
             clusters: BTreeMap::from([(
@@ -58,6 +59,10 @@ fn chosen_are_the_placed_clusters_with_their_share_and_the_unrenderable_ones() {
         vec![
             ("a".into(), "Weight: 3 replica(s)".into()),
             ("b".into(), "placed; its MyApp cannot be rendered".into()),
+            (
+                "f".into(),
+                "placed; the rollout has not reached it yet".into()
+            ),
         ]
     );
 }
