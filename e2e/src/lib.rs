@@ -8,7 +8,8 @@
 //! - [`faults`]: kill, replace, stop and start components; an agent behind a [`proxy`]
 //!   (a link that can be cut),
 //! - [`testcmd`]: `flotilla-e2e test`, the unit tests and this suite in one command,
-//! - [`agent_binary`]: the agent for tests that run one of their own.
+//! - [`agent_binary`]: the agent for tests that run one of their own,
+//! - [`three_members`]: the clients of a suite that needs three members.
 
 pub mod converge;
 pub mod deletions;
@@ -26,4 +27,30 @@ pub fn agent_binary() -> &'static std::path::Path {
             .remove("flotilla-agent")
             .expect("cargo names the flotilla-agent executable")
     })
+}
+
+/// The members of the suites that need three (scheduling, rollout).
+pub const THREE_MEMBERS: [&str; 3] = ["cluster1", "cluster2", "cluster3"];
+
+/// The environment, the host's client and each of [`THREE_MEMBERS`]' for `suite`; an
+/// error that says how to bring three up when the environment has fewer.
+pub async fn three_members(
+    suite: &str,
+) -> anyhow::Result<(
+    flotilla_lab::Env,
+    kube::Client,
+    std::collections::BTreeMap<&'static str, kube::Client>,
+)> {
+    let env = flotilla_lab::Env::load_ready().await?;
+    anyhow::ensure!(
+        THREE_MEMBERS.iter().all(|m| env.members().contains(m)),
+        "the {suite} tests need three members: run `flotilla-e2e test` (3 by default) or `up --members 3`; this environment has {:?}",
+        env.members()
+    );
+    let host = env.client(env.host()).await?;
+    let mut members = std::collections::BTreeMap::new();
+    for m in THREE_MEMBERS {
+        members.insert(m, env.client(m).await?);
+    }
+    Ok((env, host, members))
 }

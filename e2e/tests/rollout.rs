@@ -25,7 +25,7 @@ use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
 const TIMEOUT: Duration = Duration::from_secs(90);
-const MEMBERS: [&str; 3] = ["cluster1", "cluster2", "cluster3"];
+use flotilla_e2e::THREE_MEMBERS as MEMBERS;
 /// How often the members are sampled.
 const SAMPLE: Duration = Duration::from_millis(100);
 
@@ -38,17 +38,7 @@ struct Ctx {
 }
 
 async fn ctx() -> Result<Ctx> {
-    let env = Env::load_ready().await?;
-    ensure!(
-        MEMBERS.iter().all(|m| env.members().contains(m)),
-        "the rollout tests need three members: run `up --members 3`; this environment has {:?}",
-        env.members()
-    );
-    let host = env.client(env.host()).await?;
-    let mut members = BTreeMap::new();
-    for m in MEMBERS {
-        members.insert(m, env.client(m).await?);
-    }
+    let (env, host, members) = flotilla_e2e::three_members("rollout").await?;
     Ok(Ctx { env, host, members })
 }
 

@@ -21,7 +21,7 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::{Value, json};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
-const MEMBERS: [&str; 3] = ["cluster1", "cluster2", "cluster3"];
+use flotilla_e2e::THREE_MEMBERS as MEMBERS;
 
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -32,17 +32,7 @@ struct Ctx {
 }
 
 async fn ctx() -> Result<Ctx> {
-    let env = Env::load_ready().await?;
-    ensure!(
-        MEMBERS.iter().all(|m| env.members().contains(m)),
-        "the scheduling tests need three members: run `flotilla-e2e test` (3 by default) or `up --members 3`; this environment has {:?}",
-        env.members()
-    );
-    let host = env.client(env.host()).await?;
-    let mut members = BTreeMap::new();
-    for m in MEMBERS {
-        members.insert(m, env.client(m).await?);
-    }
+    let (env, host, members) = flotilla_e2e::three_members("scheduling").await?;
     Ok(Ctx { env, host, members })
 }
 
