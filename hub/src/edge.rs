@@ -25,6 +25,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tonic::transport::Server;
 use tonic::transport::server::{Connected, TcpConnectInfo};
+use tracing::debug;
 
 /// A ping after this long without traffic; a connection that does not answer within
 /// the same time is dropped, so a vanished agent frees its cluster's session.
@@ -91,6 +92,7 @@ pub fn incoming(
     listener: TcpListener,
     limits: &EdgeLimits,
     tls: Arc<rustls::ServerConfig>,
+    refusals: RefusalMetrics,
 ) -> impl Stream<Item = io::Result<TlsStream<Counted>>> + Send + 'static {
     let slots = Arc::new(Semaphore::new(limits.max_agent_connections));
     let handshake = limits.tls_handshake_timeout;
@@ -121,13 +123,31 @@ pub fn incoming(
                     continue;
                 }
             };
-            let (tx, acceptor) = (tx.clone(), acceptor.clone());
+            let (tx, acceptor, refusals) = (tx.clone(), acceptor.clone(), refusals.clone());
+            let peer = counted.stream.peer_addr().ok();
             tokio::spawn(async move {
-                // A failed or late handshake drops the connection (and frees its slot).
-                if let Ok(Ok(tls)) = tokio::time::timeout(handshake, acceptor.accept(counted)).await
+                // A failed or late handshake drops the connection (and frees its slot);
+                // counted, and logged at debug only: a port scan would flood the log.
+                let refusal = match tokio::time::timeout(handshake, acceptor.accept(counted)).await
                 {
-                    let _ = tx.send(Ok(tls)).await;
-                }
+                    Ok(Ok(tls)) => {
+                        let _ = tx.send(Ok(tls)).await;
+                        return;
+                    }
+                    Ok(Err(error)) => {
+                        debug!(?peer, %error, "TLS handshake failed: connection dropped");
+                        Refusal::TlsHandshakeFailed
+                    }
+                    Err(_) => {
+                        debug!(
+                            ?peer,
+                            ?handshake,
+                            "TLS handshake not done in time: connection dropped"
+                        );
+                        Refusal::TlsHandshakeTimeout
+                    }
+                };
+                refusals.count(refusal);
             });
         }
     });
@@ -228,6 +248,10 @@ pub enum Refusal {
     RevokedWhileAdmitted,
     /// A token past its expiry.
     TokenExpired,
+    /// A TLS handshake that failed (not TLS, a protocol or certificate the hub refuses).
+    TlsHandshakeFailed,
+    /// A TLS handshake not done within `--tls-handshake-timeout`.
+    TlsHandshakeTimeout,
 }
 
 impl Refusal {
@@ -239,6 +263,8 @@ impl Refusal {
             Refusal::SecondSession => "second_session",
             Refusal::RevokedWhileAdmitted => "revoked_while_admitted",
             Refusal::TokenExpired => "token_expired",
+            Refusal::TlsHandshakeFailed => "tls_handshake_failed",
+            Refusal::TlsHandshakeTimeout => "tls_handshake_timeout",
         }
     }
 }

@@ -73,6 +73,7 @@ pub async fn serve(
         .with_context(|| format!("binding the gRPC address {addr}"))?;
     info!(grpc = %addr, "serving agents");
     let dispatcher = service.dispatcher.clone();
+    let refusals = service.refusals.clone();
     let mut leading = service.leading.clone();
     let stop = async move {
         // Sessions end when the hub stops, and when it stops leading: its agents must
@@ -95,7 +96,7 @@ pub async fn serve(
     };
     edge::server(&limits)
         .add_service(edge::federation(service))
-        .serve_with_incoming_shutdown(edge::incoming(listener, &limits, tls), stop)
+        .serve_with_incoming_shutdown(edge::incoming(listener, &limits, tls, refusals), stop)
         .await
         .with_context(|| format!("serving gRPC on {addr}"))
 }

@@ -18,7 +18,7 @@ use flotilla_proto::v1::{self as pb, agent_message, hub_message};
 use kube::runtime::reflector::{self, store::Writer};
 use kube::runtime::watcher;
 use secrecy::{ExposeSecret, SecretString};
-use tokio::io::AsyncReadExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -241,6 +241,24 @@ async fn a_peer_that_never_handshakes_is_dropped_and_frees_its_connection() {
         .await
         .expect("the hub closes a connection that sends no ClientHello");
     assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    assert_eq!(hub.refusals.get(Refusal::TlsHandshakeTimeout), 1);
+    // Not TLS at all: refused at once, counted (besides `Hub::start`'s probe, which
+    // connected and left).
+    let failed = || hub.refusals.get(Refusal::TlsHandshakeFailed);
+    let before = failed();
+    let mut plain = TcpStream::connect(hub.addr).await.unwrap();
+    plain.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+    let read = tokio::time::timeout(PATIENCE, plain.read(&mut buf)).await;
+    assert!(
+        read.is_ok(),
+        "the hub keeps a connection that spoke plain HTTP"
+    );
+    drop(plain);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while failed() == before && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(failed(), before + 1);
     // The only connection slot is free again: an agent gets in.
     let mut client = hub.connect("c1").await;
     session(&mut client, "c1").await;
