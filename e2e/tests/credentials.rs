@@ -19,7 +19,7 @@ use flotilla_e2e::converge;
 use flotilla_e2e::deletions::DeletionLog;
 use flotilla_lab::federation::{self, Federation, HUB, agent_name, member_ready};
 use flotilla_lab::support::sample;
-use flotilla_lab::{Env, wait_for};
+use flotilla_lab::{Env, await_object, wait_for};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
@@ -316,6 +316,20 @@ async fn tokens_renew_without_an_outage_and_expired_ones_are_refused() -> Result
         }
         federation::wait_member_ready(&host, CLUSTER, true, Duration::from_secs(90)).await?;
         fedapps.delete(APP, &DeleteParams::default()).await?;
+        // Gone everywhere and every member back before the next suite starts: one that
+        // begins while agents reconnect and a deletion is in flight sees both.
+        let gone = |a: Option<&FederatedMyApp>| a.is_none();
+        await_object(
+            &fedapps,
+            APP,
+            TIMEOUT,
+            "the credentials test's app deleted",
+            gone,
+        )
+        .await?;
+        for member in env.members() {
+            federation::wait_member_ready(&host, member, true, TIMEOUT).await?;
+        }
         anyhow::Ok(())
     }
     .await;
