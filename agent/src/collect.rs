@@ -35,13 +35,18 @@ impl Breaker {
         orphans as f64 <= self.max_share * self.listed.len() as f64 || orphans <= confirmed as usize
     }
 
-    /// The MyApps in `managed` (the cache) that Hello listed and the hub does not want,
-    /// sorted.
-    pub fn orphans(&self, managed: &[std::sync::Arc<MyApp>], desired: &HashSet<Key>) -> Vec<Key> {
+    /// The MyApps in `managed` (the cache) that Hello listed and the hub neither wants
+    /// nor told this session to delete or release (`told`), sorted.
+    pub fn orphans(
+        &self,
+        managed: &[std::sync::Arc<MyApp>],
+        desired: &HashSet<Key>,
+        told: &HashSet<Key>,
+    ) -> Vec<Key> {
         let mut orphans: Vec<Key> = managed
             .iter()
             .map(|a| key_of(&**a))
-            .filter(|k| self.listed.contains(k) && !desired.contains(k))
+            .filter(|k| self.listed.contains(k) && !desired.contains(k) && !told.contains(k))
             .collect();
         orphans.sort();
         orphans
@@ -65,9 +70,15 @@ pub struct Collector {
 }
 
 impl Collector {
-    /// The orphans to delete after a SyncComplete that listed `desired`, or why none go.
-    pub fn collect(&self, desired: &HashSet<Key>, confirmed: u32) -> Collection {
-        let orphans = self.breaker.orphans(&self.managed.state(), desired);
+    /// The orphans to delete after a SyncComplete that listed `desired`, or why none go;
+    /// `told`: the MyApps the hub told this session to delete or release.
+    pub fn collect(
+        &self,
+        desired: &HashSet<Key>,
+        told: &HashSet<Key>,
+        confirmed: u32,
+    ) -> Collection {
+        let orphans = self.breaker.orphans(&self.managed.state(), desired, told);
         info!(
             desired = desired.len(),
             orphans = orphans.len(),
@@ -129,7 +140,7 @@ mod tests {
         let c = collector(&["a", "b", "c", "d"], &["a", "b", "c", "d", "new"], 0.5);
         let desired = [Key::new("ns", "a"), Key::new("ns", "b")].into();
         assert_eq!(
-            c.collect(&desired, 0),
+            c.collect(&desired, &HashSet::new(), 0),
             Collection::Orphans(vec![Key::new("ns", "c"), Key::new("ns", "d")])
         );
     }
@@ -140,12 +151,29 @@ mod tests {
         let c = collector(&["a", "b", "c", "d"], &["a", "b", "c", "d"], 0.5);
         let desired = [Key::new("ns", "a")].into();
         assert_eq!(
-            c.collect(&desired, 0),
+            c.collect(&desired, &HashSet::new(), 0),
             Collection::Held(pb::CollectionBlocked {
                 would_collect: 3,
                 managed: 4
             })
         );
-        assert!(matches!(c.collect(&desired, 3), Collection::Orphans(o) if o.len() == 3));
+        assert!(
+            matches!(c.collect(&desired, &HashSet::new(), 3), Collection::Orphans(o) if o.len() == 3)
+        );
+    }
+
+    /// What the hub told the session to delete or release is not an orphan: it goes by
+    /// that word (a release stays a release), and does not count against the breaker,
+    /// which once held back a collection after a hub restart for a MyApp the new hub was
+    /// deleting explicitly.
+    #[test]
+    fn myapps_the_hub_told_to_delete_or_release_are_not_orphans() {
+        let c = collector(&["a", "b", "c", "d"], &["a", "b", "c", "d"], 0.5);
+        let desired = [Key::new("ns", "a")].into();
+        let told = [Key::new("ns", "b"), Key::new("ns", "c")].into();
+        assert_eq!(
+            c.collect(&desired, &told, 0),
+            Collection::Orphans(vec![Key::new("ns", "d")])
+        );
     }
 }

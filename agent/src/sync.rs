@@ -13,6 +13,7 @@
 //! [`replicas`]); the federation's value rides along in an annotation.
 //! "Gone" is only ever said after the apiserver confirmed it, never from a cache miss.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
@@ -65,6 +66,10 @@ where
     let mut commands = std::pin::pin!(commands);
     let mut queue = KeyedQueue::new(concurrency, retry_backoff());
     let mut running = FuturesUnordered::new();
+    // The MyApps the hub told this session to delete or release: they go by that word,
+    // never as orphans (a collection would turn a release into a deletion, and would
+    // count them against the circuit breaker for nothing).
+    let mut told_to_delete: HashSet<Key> = HashSet::new();
     loop {
         while let Some((key, request)) = queue.start() {
             running.push(async move {
@@ -86,13 +91,17 @@ where
         match command.transpose()? {
             None => return Ok(()),
             Some(HubCommand::Apply { key, manifest }) => {
+                told_to_delete.remove(&key);
                 queue.push(key, Request::Apply { manifest });
             }
-            Some(HubCommand::Delete { key, orphan }) => queue.push(key, Request::Delete { orphan }),
+            Some(HubCommand::Delete { key, orphan }) => {
+                told_to_delete.insert(key.clone());
+                queue.push(key, Request::Delete { orphan });
+            }
             Some(HubCommand::SyncComplete {
                 desired,
                 confirmed_collection,
-            }) => match collector.collect(&desired, confirmed_collection) {
+            }) => match collector.collect(&desired, &told_to_delete, confirmed_collection) {
                 Collection::Orphans(orphans) => {
                     for orphan in orphans {
                         info!(app = %orphan, "collecting an orphan the hub no longer wants");
@@ -418,6 +427,45 @@ mod tests {
         HubCommand::SyncComplete {
             desired: desired.iter().map(|n| Key::new("ns", *n)).collect(),
             confirmed_collection: confirmed,
+        }
+    }
+
+    /// What the hub told the session to delete or release before its SyncComplete (as it
+    /// does for a FederatedMyApp being deleted when an agent reconnects) is not counted
+    /// as an orphan: here 3 of 4 would trip the breaker; only `d` is collected, and the
+    /// release of `c` stays a release.
+    #[tokio::test]
+    async fn what_the_hub_told_to_delete_or_release_is_not_collected() {
+        let delete = |name: &str, orphan| HubCommand::Delete {
+            key: Key::new("ns", name),
+            orphan,
+        };
+        let commands = vec![
+            delete("b", false),
+            delete("c", true),
+            sync_complete(&["a"], 0),
+        ];
+        let blocked = |s: &[(Instant, Notice)]| {
+            s.iter()
+                .any(|(_, n)| matches!(n, Notice::CollectionBlocked(_)))
+        };
+        let tried = |s: &[(Instant, Notice)], name: &str| {
+            s.iter()
+                .any(|(_, n)| matches!(n, Notice::Tried { key, .. } if key.name == name))
+        };
+        let seen = notices_of(commands, |s| {
+            blocked(s) || ["b", "c", "d"].iter().all(|n| tried(s, n))
+        })
+        .await;
+        for (_, notice) in &seen {
+            match notice {
+                Notice::CollectionBlocked(b) => panic!("the breaker tripped: {b:?}"),
+                Notice::Tried { key, error, .. } if key.name == "c" => {
+                    let error = error.as_deref().unwrap_or_default();
+                    assert!(error.starts_with("releasing"), "{error}");
+                }
+                Notice::Tried { .. } => {}
+            }
         }
     }
 
