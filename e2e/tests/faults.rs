@@ -617,6 +617,83 @@ async fn hub_sigkilled_while_an_orphaning_delete_is_in_flight() -> Result<()> {
     .await
 }
 
+/// Releasing with `kubefed.io/orphan` around a graceful hub restart: some FederatedMyApps
+/// deleted just before SIGTERM reaches the old hub, the rest while every agent moves to
+/// the new one. Every released MyApp stays in both members, no longer managed, and
+/// nothing is deleted. (Once, a suite that deleted an orphaned app right after a hub
+/// restart found it still managed on a member after its FederatedMyApp was gone.)
+#[tokio::test]
+async fn an_orphaning_delete_across_a_graceful_hub_restart_releases_everywhere() -> Result<()> {
+    run("fault-orphan-term", |ctx| async move {
+        let r = async {
+            let released: Vec<String> = (0..APPS / 2).map(|i| ctx.name(i)).collect();
+            let api = ctx.fedapps();
+            let orphan = json!({"metadata": {"annotations": {"kubefed.io/orphan": "true"}}});
+            for name in &released {
+                api.patch(name, &PatchParams::default(), &Patch::Merge(&orphan))
+                    .await?;
+            }
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            let (before, after) = released.split_at(released.len() / 2);
+            for name in before {
+                api.delete(name, &DeleteParams::default()).await?;
+            }
+            let (old, _new) = faults::replace_hub(&ctx.env, &ctx.f).await?;
+            for name in after {
+                api.delete(name, &DeleteParams::default()).await?;
+            }
+            let gone = wait_for(CONVERGE, "the released FederatedMyApps gone", || async {
+                for name in &released {
+                    if api.get_opt(name).await?.is_some() {
+                        return Ok(None);
+                    }
+                }
+                Ok(Some(()))
+            })
+            .await;
+            if !old.wait_gone(Duration::from_secs(10)) {
+                let _ = old.stop(Duration::from_secs(5));
+            }
+            process::forget(&ctx.env.dir, &old.name)?;
+            gone?;
+            let mut unreleased = Vec::new();
+            for member in ["cluster1", "cluster2"] {
+                let myapps: Api<flotilla_crds::MyApp> =
+                    Api::namespaced(ctx.env.client(member).await?, "default");
+                for name in &released {
+                    match myapps.get_opt(name).await? {
+                        None => unreleased.push(format!("{member}: {name} deleted")),
+                        Some(a) if a.labels().contains_key(flotilla_crds::MANAGED_BY_LABEL) => {
+                            unreleased.push(format!("{member}: {name} still managed"))
+                        }
+                        Some(_) => {}
+                    }
+                }
+            }
+            let verdict = verdict(
+                &ctx,
+                "orphaning-delete-across-graceful-restart",
+                &log,
+                start,
+            )
+            .await;
+            for member in ["cluster1", "cluster2"] {
+                let myapps: Api<flotilla_crds::MyApp> =
+                    Api::namespaced(ctx.env.client(member).await?, "default");
+                for name in &released {
+                    let _ = myapps.delete(name, &DeleteParams::default()).await;
+                }
+            }
+            ensure!(unreleased.is_empty(), "not released: {unreleased:?}");
+            verdict
+        }
+        .await;
+        (ctx, r)
+    })
+    .await
+}
+
 /// An app taken off a cluster while that cluster's agent is away, and the hub restarted
 /// before the agent returns: the new hub never knew the app was there, so no explicit
 /// Delete is owed; the agent's next session lists it, the hub's desired set leaves it out,

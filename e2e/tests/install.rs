@@ -13,6 +13,8 @@ use anyhow::{Context, Result, bail};
 use flotilla_lab::Env;
 use flotilla_lab::federation::Federation;
 use flotilla_lab::support::workspace_root;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::Api;
 
 /// Both tests write to the host (its MyApp CRD, `flotilla-system`): one at a time.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -115,16 +117,19 @@ async fn manifests_pass_a_server_side_dry_run() -> Result<()> {
             &host,
             Some(&text),
         )?;
-        run(
-            &kubectl(),
-            &[
-                "wait",
-                "--for=condition=Established",
-                &format!("crd/{kind}.monitoring.coreos.com"),
-            ],
-            &host,
-            None,
-        )?;
+        // Not `kubectl wait --for=condition=Established`: it fails at once on a CRD
+        // whose status has no conditions yet (".status.conditions accessor error").
+        let crds: Api<CustomResourceDefinition> = Api::all(env.client(env.host()).await?);
+        flotilla_lab::await_object(
+            &crds,
+            &format!("{kind}.monitoring.coreos.com"),
+            std::time::Duration::from_secs(60),
+            &format!("CRD {kind}.monitoring.coreos.com Established"),
+            |crd: Option<&CustomResourceDefinition>| {
+                crd.is_some_and(flotilla_lab::cluster::established)
+            },
+        )
+        .await?;
     }
 
     let mut report = Vec::new();
@@ -226,8 +231,7 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
         "-o",
         &file.to_string_lossy(),
     ])?;
-    let crds: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
-        Api::all(host_client.clone());
+    let crds: Api<CustomResourceDefinition> = Api::all(host_client.clone());
     let conversion_before = crds.get("myapps.app.example.com").await?.spec.conversion;
     let result = async {
         run(
