@@ -39,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::status::StatusBoard;
-use crate::writes::{Failure, Tracker, Write, WriteMetrics, digest};
+use crate::writes::{Failure, Tracker, Write, WriteMetrics, digest, while_leading};
 
 pub mod decisions;
 
@@ -361,15 +361,20 @@ pub async fn publish(publisher: Publisher, shutdown: CancellationToken) -> anyho
             if !listed {
                 return Ok(());
             }
-            while_leading(p.leading.clone(), &shutdown, || {
-                let writer = Writer {
-                    api: api.clone(),
-                    namespace: namespace.clone(),
-                    metrics: p.metrics.clone(),
-                    gate: Gate::default(),
-                };
-                writer.run(&p.members, &profiles, &shutdown)
-            })
+            while_leading(
+                p.leading.clone(),
+                &shutdown,
+                || {
+                    let writer = Writer {
+                        api: api.clone(),
+                        namespace: namespace.clone(),
+                        metrics: p.metrics.clone(),
+                        gate: Gate::default(),
+                    };
+                    writer.run(&p.members, &profiles, &shutdown)
+                },
+                || {},
+            )
             .await
         };
         tokio::select! {
@@ -390,13 +395,18 @@ pub async fn publish(publisher: Publisher, shutdown: CancellationToken) -> anyho
             if !listed {
                 return Ok(());
             }
-            while_leading(p.leading.clone(), &shutdown, || async {
-                decisions::write_while_leading(
-                    &p.client, &p.board, &p.apps, &decisions, &namespace, &p.metrics, &shutdown,
-                )
-                .await;
-                Ok(())
-            })
+            while_leading(
+                p.leading.clone(),
+                &shutdown,
+                || async {
+                    decisions::write_while_leading(
+                        &p.client, &p.board, &p.apps, &decisions, &namespace, &p.metrics, &shutdown,
+                    )
+                    .await;
+                    Ok(())
+                },
+                || {},
+            )
             .await
         };
         tokio::select! {
@@ -456,33 +466,6 @@ where
     let (events, listed) =
         flotilla_common::listed::track(reflector::reflector(writer, events).default_backoff());
     (store, listed, events.for_each(|_| async {}))
-}
-
-/// Runs `work` whenever this hub leads, dropping it when the lead is lost; returns what
-/// `work` returns, or at `shutdown`.
-async fn while_leading<F, W>(
-    mut leading: watch::Receiver<bool>,
-    shutdown: &CancellationToken,
-    mut work: W,
-) -> anyhow::Result<()>
-where
-    W: FnMut() -> F,
-    F: std::future::Future<Output = anyhow::Result<()>>,
-{
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
-            led = leading.wait_for(|l| *l) => { led?; }
-        }
-        let mut lost = leading.clone();
-        let lost = async move {
-            let _ = lost.wait_for(|l| !*l).await;
-        };
-        tokio::select! {
-            _ = lost => continue,
-            r = work() => return r,
-        }
-    }
 }
 
 struct Writer {

@@ -479,23 +479,12 @@ impl Membership {
         &self,
         client: kube::Client,
         store: Store<MemberCluster>,
-        mut leading: watch::Receiver<bool>,
+        leading: watch::Receiver<bool>,
         shutdown: CancellationToken,
     ) -> anyhow::Result<()> {
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                led = leading.wait_for(|l| *l) => { led?; }
-            }
-            let since = Instant::now();
-            let lost = async {
-                let _ = leading.wait_for(|l| !*l).await;
-            };
-            tokio::select! {
-                _ = lost => continue,
-                r = self.write_while_leading(&client, &store, since, &shutdown) => return r,
-            }
-        }
+        let (client, store, shutdown_ref) = (&client, &store, &shutdown);
+        let work = || self.write_while_leading(client, store, Instant::now(), shutdown_ref);
+        writes::while_leading(leading, &shutdown, work, || {}).await
     }
 
     async fn write_while_leading(

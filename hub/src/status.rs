@@ -416,24 +416,16 @@ impl StatusBoard {
     pub async fn write_loop(
         self: Arc<Self>,
         writer: StatusWriter,
-        mut leading: watch::Receiver<bool>,
+        leading: watch::Receiver<bool>,
         shutdown: CancellationToken,
     ) -> anyhow::Result<()> {
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return Ok(()),
-                led = leading.wait_for(|l| *l) => { led?; }
-            }
-            let all: Vec<AppKey> = self.board.lock().plans.keys().cloned().collect();
-            self.dirty.mark_all(all);
-            let lost = async {
-                let _ = leading.wait_for(|l| !*l).await;
-            };
-            tokio::select! {
-                _ = lost => self.forget_sessions(),
-                r = self.write_while_leading(&writer, &shutdown) => return r,
-            }
-        }
+        let (this, writer, shutdown_ref) = (&*self, &writer, &shutdown);
+        let work = || {
+            let all: Vec<AppKey> = this.board.lock().plans.keys().cloned().collect();
+            this.dirty.mark_all(all);
+            this.write_while_leading(writer, shutdown_ref)
+        };
+        writes::while_leading(leading, &shutdown, work, || this.forget_sessions()).await
     }
 
     async fn write_while_leading(

@@ -26,7 +26,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde::Deserialize;
 use serde_json::{Map, Value};
+use tokio::sync::watch;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 /// The field manager of every status the hub writes.
 pub const FIELD_MANAGER: &str = "flotilla-hub";
@@ -469,6 +471,35 @@ impl WriteMetrics {
     }
 }
 
+/// Runs `work` whenever this hub leads, until `shutdown` (or `work` returns, with what it
+/// returns). Losing the lead drops the work in flight and calls `on_lost`; the next lead
+/// calls `work` afresh. What every writer of the host does only as the leader.
+pub async fn while_leading<F, W>(
+    mut leading: watch::Receiver<bool>,
+    shutdown: &CancellationToken,
+    mut work: W,
+    mut on_lost: impl FnMut(),
+) -> anyhow::Result<()>
+where
+    W: FnMut() -> F,
+    F: std::future::Future<Output = anyhow::Result<()>>,
+{
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            led = leading.wait_for(|l| *l) => { led?; }
+        }
+        let mut lost = leading.clone();
+        let lost = async move {
+            let _ = lost.wait_for(|l| !*l).await;
+        };
+        tokio::select! {
+            _ = lost => on_lost(),
+            r = work() => return r,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -622,5 +653,42 @@ mod tests {
         assert_eq!(window(base, 100), Duration::from_millis(700));
         assert_eq!(window(base, 1000), WINDOW_MAX);
         assert_eq!(window(Duration::from_secs(9), 0), Duration::from_secs(9));
+    }
+
+    /// The work runs only while leading: losing the lead drops it and calls `on_lost`,
+    /// the next lead starts it afresh, shutdown ends the loop while waiting to lead.
+    #[tokio::test(start_paused = true)]
+    async fn work_runs_only_while_leading() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let (lead, leading) = watch::channel(false);
+        let shutdown = CancellationToken::new();
+        let (started, lost) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        let work = || {
+            started.fetch_add(1, SeqCst);
+            std::future::pending::<anyhow::Result<()>>()
+        };
+        let run = while_leading(leading, &shutdown, work, || {
+            lost.fetch_add(1, SeqCst);
+        });
+        let script = async {
+            let settle = || tokio::time::sleep(Duration::from_millis(10));
+            settle().await;
+            assert_eq!(started.load(SeqCst), 0, "started while following");
+            lead.send(true).unwrap();
+            settle().await;
+            assert_eq!((started.load(SeqCst), lost.load(SeqCst)), (1, 0));
+            lead.send(false).unwrap();
+            settle().await;
+            assert_eq!((started.load(SeqCst), lost.load(SeqCst)), (1, 1));
+            lead.send(true).unwrap();
+            settle().await;
+            assert_eq!((started.load(SeqCst), lost.load(SeqCst)), (2, 1));
+            lead.send(false).unwrap();
+            settle().await;
+            shutdown.cancel();
+        };
+        let (result, ()) = tokio::join!(run, script);
+        assert!(result.is_ok());
+        assert_eq!((started.load(SeqCst), lost.load(SeqCst)), (2, 2));
     }
 }
