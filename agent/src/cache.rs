@@ -62,6 +62,30 @@ pub fn trim(app: &mut MyApp) {
     }
 }
 
+/// The cache's own note of a managed MyApp's drift ([`crate::drift`]), made from its
+/// field managers before [`trim`] drops them. Never written to the apiserver; one found
+/// there is not believed.
+pub const DRIFT_NOTE: &str = "agent.flotilla.io/drift";
+
+/// Notes the MyApp's drift ([`DRIFT_NOTE`]) for the cache, from its field managers.
+pub fn note_drift(app: &mut MyApp) {
+    let drift = crate::drift::of(app.managed_fields());
+    let annotations = &mut app.metadata.annotations;
+    if let Some(a) = annotations.as_mut() {
+        a.remove(DRIFT_NOTE);
+    }
+    if let Some(drift) = drift {
+        annotations
+            .get_or_insert_with(Default::default)
+            .insert(DRIFT_NOTE.into(), drift);
+    }
+}
+
+/// The drift noted in a cached MyApp, if any.
+pub fn drift(app: &MyApp) -> Option<&String> {
+    app.annotations().get(DRIFT_NOTE)
+}
+
 /// A reflector of MyApps that caches them trimmed ([`trim`]): the managed MyApps of the
 /// session, and all MyApps of the operator.
 pub fn reflect<S>(writer: Writer<MyApp>, events: S) -> impl Stream<Item = S::Item>
@@ -86,7 +110,11 @@ pub fn watch_managed(client: Client) -> (Managed, impl std::future::Future<Outpu
     let config =
         watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
     let (stream, listed) = listed::track(
-        reflect(writer, watcher(Api::<MyApp>::all(client), config)).default_backoff(),
+        reflect(
+            writer,
+            watcher(Api::<MyApp>::all(client), config).modify(note_drift),
+        )
+        .default_backoff(),
     );
     let stream = stream.touched_objects();
     let feed = changes.clone();
@@ -115,6 +143,35 @@ pub fn watch_managed(client: Client) -> (Managed, impl std::future::Future<Outpu
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// The session's cache notes drift from the field managers it then drops; a note
+    /// found on the apiserver's object is not believed.
+    #[test]
+    fn drift_is_noted_from_the_field_managers_and_a_forged_note_is_dropped() {
+        let app = |annotations: serde_json::Value, editor: &str| -> MyApp {
+            serde_json::from_value(json!({
+                "apiVersion": "app.example.com/v1", "kind": "MyApp",
+                "metadata": {"name": "a", "namespace": "ns", "annotations": annotations,
+                    "managedFields": [
+                        {"manager": "flotilla-agent", "operation": "Apply",
+                         "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {"f:image": {}}}},
+                        {"manager": editor, "operation": "Update",
+                         "fieldsType": "FieldsV1", "fieldsV1": {"f:spec": {"f:config": {}}}},
+                    ]},
+                "spec": {"image": "nginx"},
+            }))
+            .unwrap()
+        };
+        let mut edited = app(json!({}), "kubectl-edit");
+        note_drift(&mut edited);
+        assert_eq!(
+            drift(&edited).map(String::as_str),
+            Some("spec.config by kubectl-edit")
+        );
+        let mut forged = app(json!({DRIFT_NOTE: "spec.image by me"}), "flotilla-agent");
+        note_drift(&mut forged);
+        assert_eq!(drift(&forged), None);
+    }
 
     /// The caches of the session and of the operator hold no field managers and no
     /// last-applied copy (most of a cached MyApp's memory), and everything else as the

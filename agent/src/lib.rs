@@ -16,6 +16,7 @@ pub mod cache;
 pub mod capacity;
 pub mod cli;
 pub mod collect;
+pub mod drift;
 pub mod handback;
 pub mod operator;
 pub mod queue;

@@ -215,6 +215,7 @@ pub fn status_report(
         apply_error: String::new(),
         replicas: status.replicas,
         autoscaler: autoscaler.map(ToString::to_string).unwrap_or_default(),
+        drift: cache::drift(app).cloned().unwrap_or_default(),
     }
 }
 

@@ -262,6 +262,71 @@ async fn deletion_with_and_without_orphan() -> Result<()> {
     Ok(())
 }
 
+/// A MyApp changed by hand in a member, its content-hash annotation kept (so the hash
+/// the agent reports says nothing changed), is noticed from its field managers and put
+/// back by the hub's Apply, counted per cluster; a field the hub's MyApp does not set
+/// cannot be taken back, and stays reported as drift on the FederatedMyApp.
+#[tokio::test]
+async fn a_myapp_changed_by_hand_in_a_member_is_put_back() -> Result<()> {
+    let c = clusters().await?;
+    let env = Env::load_ready().await?;
+    let f = flotilla_lab::federation::Federation::load(&env)?;
+    let repairs = || async {
+        let metrics = f.metrics(flotilla_lab::federation::HUB).await?;
+        let series = "flotilla_hub_drift_repairs_total{cluster=\"cluster1\"}";
+        anyhow::Ok(flotilla_lab::support::sample(&metrics, series))
+    };
+    let before = repairs().await?;
+    let both = json!({"clusters": [{"name": "cluster1"}, {"name": "cluster2"}]});
+    let spec = json!({"replicas": 1, "image": "nginx:1.27"});
+    apply(&c.host, &app("drift", both, spec, json!([]))).await?;
+    replicas_on(&c.c1, "drift", 1).await?;
+    status_where(&c.host, "drift", "propagated", |s| {
+        condition(s, "Propagated").is_some_and(|c| c["status"] == "True")
+    })
+    .await?;
+
+    let edit = PatchParams {
+        field_manager: Some("kubectl-edit".into()),
+        ..Default::default()
+    };
+    let image = |a: &MyApp| serde_json::to_value(&a.spec).unwrap_or_default()["image"].clone();
+    let changed = json!({"spec": {"image": "nginx:edited-by-hand"}});
+    myapps(&c.c1)
+        .patch("drift", &edit, &Patch::Merge(&changed))
+        .await?;
+    await_object(
+        &myapps(&c.c1),
+        "drift",
+        TIMEOUT,
+        "the hand-edited image put back",
+        |a: Option<&MyApp>| a.is_some_and(|a| image(a) == "nginx:1.27"),
+    )
+    .await?;
+    let repaired = repairs().await?;
+    anyhow::ensure!(repaired > before, "no drift repair counted for cluster1");
+
+    let added = json!({"spec": {"config": {"added-by-hand": "x"}}});
+    myapps(&c.c1)
+        .patch("drift", &edit, &Patch::Merge(&added))
+        .await?;
+    let status = status_where(&c.host, "drift", "cluster1 reported drifted", |s| {
+        condition(s, "Propagated").is_some_and(|c| c["reason"] == "Drifted")
+    })
+    .await?;
+    let message = condition(&status, "Propagated").unwrap()["message"]
+        .as_str()
+        .unwrap_or_default();
+    anyhow::ensure!(
+        message.contains("cluster1: ")
+            && message.contains("spec.config by kubectl-edit")
+            && !message.contains("cluster2"),
+        "{message}"
+    );
+    delete_and_wait(&c.host, "drift").await?;
+    gone_from(&c.c1, "drift").await
+}
+
 #[tokio::test]
 async fn an_invalid_override_is_reported_for_its_cluster_only() -> Result<()> {
     let c = clusters().await?;

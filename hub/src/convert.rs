@@ -143,6 +143,7 @@ pub fn report_from_pb(r: pb::StatusReport) -> Bounded<Report> {
         apply_error: Some(bounds.string(r.apply_error, MESSAGE_MAX)).filter(|e| !e.is_empty()),
         replicas: r.replicas.map(|n| bounds.number(n, i32::MAX)),
         autoscaler: Some(bounds.string(r.autoscaler, REASON_MAX)).filter(|a| !a.is_empty()),
+        drift: Some(bounds.string(r.drift, MESSAGE_MAX)).filter(|d| !d.is_empty()),
     };
     bounds.done(report)
 }
@@ -234,6 +235,21 @@ mod tests {
         assert_eq!(r(false, ""), Held::Absent);
         assert_eq!(r(false, "namespace \"x\" not found"), Held::Failed);
         assert_eq!(r(true, "webhook denied"), Held::Failed);
+        let drifted = report_from_pb(pb::StatusReport {
+            exists: true,
+            drift: "spec.image by kubectl-edit".into(),
+            ..Default::default()
+        });
+        assert_eq!(drifted.value.held(), Held::Drifted);
+        let huge = report_from_pb(pb::StatusReport {
+            exists: true,
+            drift: "x".repeat(1 << 20),
+            ..Default::default()
+        });
+        assert!(
+            huge.value.drift.unwrap().len() <= MESSAGE_MAX,
+            "a drift note is cut"
+        );
     }
 
     fn condition(reason: String, message: String) -> pb::Condition {

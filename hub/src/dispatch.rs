@@ -22,6 +22,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
+use tracing::debug;
 
 use crate::auth::Identity;
 
@@ -166,6 +167,7 @@ pub struct DispatchMetrics {
     depth: Family<ClusterLabels, Gauge>,
     pairs: Gauge,
     blocked: Family<ClusterLabels, Gauge>,
+    drift_repairs: Family<ClusterLabels, Counter>,
 }
 
 impl DispatchMetrics {
@@ -189,6 +191,11 @@ impl DispatchMetrics {
             "flotilla_hub_collection_blocked",
             "Orphan collections an agent's circuit breaker holds back, awaiting confirmation",
             self.blocked.clone(),
+        );
+        registry.register(
+            "flotilla_hub_drift_repairs",
+            "MyApps changed in a member since they were applied (drift), sent again, by cluster",
+            self.drift_repairs.clone(),
         );
     }
 
@@ -416,6 +423,13 @@ impl Dispatcher {
             return false;
         }
         let pushes = state.index.report(cluster, key, held);
+        if held == Held::Drifted && !pushes.is_empty() {
+            let labels = ClusterLabels {
+                cluster: cluster.to_owned(),
+            };
+            self.metrics.drift_repairs.get_or_create(&labels).inc();
+            debug!(cluster, app = %key, "the MyApp was changed in the member (drift): sending it again");
+        }
         route(&state, pushes);
         true
     }

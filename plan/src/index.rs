@@ -41,6 +41,8 @@ pub type Push = (String, AppKey, Change);
 pub enum Held {
     /// It manages the MyApp.
     Present,
+    /// It manages the MyApp, and someone changed its spec there since it was applied.
+    Drifted,
     /// It does not (deleted, released, or never there).
     Absent,
     /// Applying it failed; the agent retries by itself.
@@ -127,6 +129,9 @@ pub struct Index {
     /// Deleted apps no finalizer holds (it was removed by hand): forgotten as soon as
     /// every cluster confirmed, since no reconcile will come to do it.
     unowned: HashSet<AppKey>,
+    /// cluster → apps its agent reported drifted this session, whose Apply was sent
+    /// again once: a drift the Apply cannot undo is not answered again until it clears.
+    drifted: HashMap<String, HashSet<AppKey>>,
 }
 
 impl Index {
@@ -283,6 +288,9 @@ impl Index {
         self.departed.remove(key);
         self.desired.remove_everywhere(key);
         self.placed.remove(key);
+        for apps in self.drifted.values_mut() {
+            apps.remove(key);
+        }
     }
 
     /// The registered clusters changed: a cluster that left is no longer waited for, and
@@ -301,6 +309,7 @@ impl Index {
         }
         self.desired.retain_clusters(registered);
         self.present.retain(|c, _| registered.contains(c));
+        self.drifted.retain(|c, _| registered.contains(c));
         for clusters in self.placed.values_mut() {
             clusters.retain(|c| registered.contains(c));
         }
@@ -384,6 +393,7 @@ impl Index {
     /// The agent went away: what it holds is unknown until it says Hello again.
     pub fn disconnect(&mut self, cluster: &str) {
         self.present.remove(cluster);
+        self.drifted.remove(cluster);
     }
 
     /// The agent reported on an app. A desired MyApp reported absent (deleted by hand in
@@ -392,10 +402,26 @@ impl Index {
         let Some(apps) = self.present.get_mut(cluster) else {
             return Vec::new();
         };
+        let drifted = self.drifted.entry(cluster.to_owned()).or_default();
+        if held != Held::Drifted {
+            drifted.remove(key);
+        }
         match held {
             Held::Present => {
                 apps.insert(self.desired.shared_key(cluster, key));
                 Vec::new()
+            }
+            Held::Drifted => {
+                apps.insert(self.desired.shared_key(cluster, key));
+                if !drifted.insert(key.clone()) {
+                    return Vec::new();
+                }
+                match self.desired.get(cluster).and_then(|d| d.get(key)) {
+                    Some(Desired::Apply(r)) => {
+                        vec![(cluster.to_owned(), key.clone(), Change::Apply(r.clone()))]
+                    }
+                    _ => Vec::new(),
+                }
             }
             Held::Failed => Vec::new(),
             Held::Absent => {
@@ -695,7 +721,7 @@ mod tests {
             (cluster(), proptest::collection::vec((app(), 0u8..3), 0..4))
                 .prop_map(|(c, m)| Op::Connect(c, m)),
             cluster().prop_map(Op::Disconnect),
-            (cluster(), app(), 0u8..3).prop_map(|(c, a, h)| Op::Report(c, a, h)),
+            (cluster(), app(), 0u8..4).prop_map(|(c, a, h)| Op::Report(c, a, h)),
         ]
     }
 
@@ -740,7 +766,8 @@ mod tests {
             }
             Op::Disconnect(c) => ix.disconnect(&cluster(c)),
             Op::Report(c, a, held) => {
-                let held = [Held::Present, Held::Absent, Held::Failed][usize::from(held)];
+                let held =
+                    [Held::Present, Held::Absent, Held::Failed, Held::Drifted][usize::from(held)];
                 ix.report(&cluster(c), &app(a), held);
             }
         }
@@ -902,6 +929,29 @@ mod tests {
         assert!(
             ix.report("c1", &key("a"), Held::Absent).is_empty(),
             "Keep sends nothing"
+        );
+    }
+
+    /// A MyApp changed in the member is sent again, once per drift: a drift the Apply
+    /// cannot undo (a field the hub's MyApp does not set) is not answered in a loop; a
+    /// report without it, or a new session, starts over. Only an Apply is re-sent.
+    #[test]
+    fn a_drifted_myapp_is_sent_again_once_per_drift() {
+        let mut ix = Index::default();
+        ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
+        ix.set_app(&key("k"), None, plan(&[("c1", Desired::Keep)]));
+        ix.connect("c1", &hello(&[("a", "h"), ("k", "h0")]));
+        let drifted = |ix: &mut Index| kinds(&ix.report("c1", &key("a"), Held::Drifted));
+        assert_eq!(drifted(&mut ix), [t("c1", "a", "apply h")]);
+        assert!(drifted(&mut ix).is_empty(), "the same drift again");
+        assert!(ix.report("c1", &key("a"), Held::Present).is_empty());
+        assert_eq!(drifted(&mut ix), [t("c1", "a", "apply h")], "a new drift");
+        ix.disconnect("c1");
+        ix.connect("c1", &hello(&[("a", "h")]));
+        assert_eq!(drifted(&mut ix), [t("c1", "a", "apply h")], "a new session");
+        assert!(
+            ix.report("c1", &key("k"), Held::Drifted).is_empty(),
+            "a kept MyApp is not the hub's to re-apply"
         );
     }
 

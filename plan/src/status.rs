@@ -49,12 +49,16 @@ pub struct Report {
     pub replicas: Option<i32>,
     /// The autoscaler in the member that owns the replicas, in words.
     pub autoscaler: Option<String>,
+    /// Spec fields someone else changed in the member since the agent applied it, in
+    /// words.
+    pub drift: Option<String>,
 }
 
 impl Report {
     pub fn held(&self) -> Held {
         match (&self.apply_error, self.exists) {
             (Some(_), _) => Held::Failed,
+            (None, true) if self.drift.is_some() => Held::Drifted,
             (None, true) => Held::Present,
             (None, false) => Held::Absent,
         }
@@ -84,6 +88,8 @@ pub enum Reason {
     Pending,
     /// A progressive rollout has not reached it yet.
     Held,
+    /// Its MyApp was changed in the member: the hub sent its Apply again.
+    Drifted,
 }
 
 impl Reason {
@@ -94,6 +100,7 @@ impl Reason {
             Reason::AgentDisconnected => "AgentDisconnected",
             Reason::Pending => "Pending",
             Reason::Held => "RolloutHeld",
+            Reason::Drifted => "Drifted",
         }
     }
 }
@@ -353,6 +360,14 @@ fn standing(hash: &str, reachable: bool, report: Option<&Report>) -> Standing {
         }) => Standing::Behind(
             Reason::ApplyFailed,
             format!("applying the MyApp failed (the agent retries): {e}"),
+        ),
+        Some(Report {
+            exists: true,
+            drift: Some(drift),
+            ..
+        }) => Standing::Behind(
+            Reason::Drifted,
+            format!("its MyApp was changed in the member ({drift}); the hub applied it again"),
         ),
         Some(r) if r.exists && r.hash == hash => {
             if r.ready && r.observed_generation >= r.generation {
@@ -758,6 +773,36 @@ mod tests {
         assert_eq!(cond(&s, "Propagated").reason, "Pending");
         assert_eq!(cond(&s, "Ready").status, "False");
         assert!(!s.clusters[0].ready);
+    }
+
+    /// A MyApp changed in the member is not propagated, even with the right hash (the
+    /// annotation rides along with a hand edit): the cluster says who changed what.
+    #[test]
+    fn a_drifted_cluster_is_not_propagated_and_names_the_drift() {
+        let p = plan(&[("c1", rendered("h")), ("c2", rendered("h"))]);
+        let drifted = Report {
+            drift: Some("spec.image by kubectl-edit".into()),
+            ..report("h", true, 3)
+        };
+        let s = run(
+            &p,
+            &[("c1", drifted), ("c2", report("h", true, 3))],
+            &["c1", "c2"],
+        );
+        let propagated = cond(&s, "Propagated");
+        assert_eq!(
+            (propagated.status.as_str(), propagated.reason.as_str()),
+            ("False", "Drifted")
+        );
+        assert!(
+            propagated
+                .message
+                .contains("c1: its MyApp was changed in the member (spec.image by kubectl-edit)"),
+            "{}",
+            propagated.message
+        );
+        assert_eq!(cond(&s, "Ready").status, "False");
+        assert!(!s.clusters[0].ready && s.clusters[1].ready);
     }
 
     /// A held cluster is placed and not Ready, named last in Propagated as held (not
