@@ -82,9 +82,10 @@ pub fn previous(status: Option<&FederatedMyAppStatus>) -> BTreeMap<String, Previ
         .clusters
         .iter()
         .map(|c| {
+            let replicas = clamp(c.replicas.unwrap_or(c.ready_replicas.max(1)));
             let prev = Previous {
-                replicas: clamp(c.replicas.unwrap_or(c.ready_replicas.max(1))),
-                ready_replicas: clamp(c.ready_replicas),
+                replicas,
+                ready_replicas: ready_within(c.ready_replicas, replicas),
                 reason: c.scheduling_reason,
             };
             (c.name.clone(), prev)
@@ -96,12 +97,22 @@ fn clamp(n: i32) -> u32 {
     u32::try_from(n).unwrap_or(0).min(MAX_PER_CLUSTER)
 }
 
+/// A cluster's ready replicas as make-before-break reads them: at most what it was
+/// assigned. Its agent reports the count; one that says more (a lying member, or an
+/// autoscaler's extra pods) must not end the wait of the clusters that keep replicas
+/// for it (review H2): its new share counts as Ready only once the status shows it
+/// assigned and ready.
+fn ready_within(ready: i32, replicas: u32) -> u32 {
+    clamp(ready).min(replicas)
+}
+
 fn from_division(groups: &[DivisionGroup]) -> BTreeMap<String, Previous> {
     let mut out = BTreeMap::new();
     for g in groups {
+        let replicas = clamp(g.replicas);
         let prev = Previous {
-            replicas: clamp(g.replicas),
-            ready_replicas: clamp(g.ready_replicas),
+            replicas,
+            ready_replicas: ready_within(g.ready_replicas, replicas),
             reason: g.reason,
         };
         // A hand-edited entry that does not decode loses that group only.

@@ -36,6 +36,45 @@ fn previous_reads_status_and_older_status_without_replicas() {
     assert!(previous(None).is_empty());
 }
 
+/// A member that reports more ready replicas than it was assigned counts only its
+/// assignment: it cannot end the make-before-break wait of the clusters that keep
+/// replicas for it.
+#[test]
+fn ready_replicas_count_at_most_the_assignment() {
+    let status: FederatedMyAppStatus = serde_yaml::from_str(&format!(
+        "clusters:\n- {{name: liar, replicas: 3, readyReplicas: {}}}\n- {{name: b, replicas: 0, readyReplicas: 5}}\n",
+        i32::MAX
+    ))
+    .unwrap();
+    let p = previous(Some(&status));
+    assert_eq!((p["liar"].replicas, p["liar"].ready_replicas), (3, 3));
+    assert_eq!((p["b"].replicas, p["b"].ready_replicas), (0, 0));
+    let partial: FederatedMyAppStatus = serde_yaml::from_str(
+        "omittedClusters: 1\ndivision:\n- {replicas: 2, readyReplicas: 900, reason: Weight, clusters: x}\n",
+    )
+    .unwrap();
+    assert_eq!(previous(Some(&partial))["x"].ready_replicas, 2);
+
+    // Weights move 3 more replicas to c3, which claims 1,000 ready before it was even
+    // assigned them: c1 keeps its replicas until the status shows c3 assigned 6 and
+    // ready.
+    let mut c = Case::new(WEIGHTED_2_1_1);
+    let s = c.ok();
+    c.settle(&s);
+    c.placement = placement(
+        "replicaScheduling: {mode: Weighted, totalReplicas: 12, preferences: [{clusterNames: [c3], weight: 2}]}",
+    );
+    let mut status: FederatedMyAppStatus = serde_yaml::from_str(
+        "clusters:\n- {name: c1, replicas: 6, readyReplicas: 6}\n- {name: c2, replicas: 3, readyReplicas: 3}\n- {name: c3, replicas: 3, readyReplicas: 1000}\n",
+    )
+    .unwrap();
+    c.previous = previous(Some(&status));
+    assert_eq!(shares(&c.ok()), [(6, Surplus), (3, Weight), (6, Weight)]);
+    status.clusters[2].replicas = Some(6);
+    c.previous = previous(Some(&status));
+    assert_eq!(shares(&c.ok()), [(3, Weight), (3, Weight), (6, Weight)]);
+}
+
 #[test]
 fn annotate_fills_each_cluster_and_the_totals() {
     let s = Case::new(WEIGHTED_2_1_1).ok();
