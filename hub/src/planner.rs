@@ -565,6 +565,131 @@ mod tests {
         assert_eq!(names(applied.take(Apply(a_again))), [("a".into(), Some(3))]);
     }
 
+    /// Rule 2 for the grants: nothing is planned, and no agent admitted, until the
+    /// ClusterGrants have listed (a strict hub would read a namespace whose grant is not
+    /// listed yet as granted nothing); then the grants are planned with, and a grant
+    /// deleted plans its namespace again and keeps what runs.
+    #[tokio::test]
+    async fn nothing_is_planned_before_the_grants_have_listed() {
+        use flotilla_common::http::Readiness;
+        use flotilla_plan::ClusterPlan;
+        use watcher::Event::{Delete, Init, InitApply, InitDone};
+        let (apps, apps_writer) = kube::runtime::reflector::store::<FederatedMyApp>();
+        let (members, members_writer) = kube::runtime::reflector::store::<MemberCluster>();
+        let (grants, grants_writer) = kube::runtime::reflector::store::<ClusterGrant>();
+        let (app_tx, app_rx) = futures::channel::mpsc::unbounded();
+        let (member_tx, member_rx) = futures::channel::mpsc::unbounded();
+        let (grant_tx, grant_rx) = futures::channel::mpsc::unbounded();
+        let (app_events, apps_listed) =
+            flotilla_common::listed::track(kube::runtime::reflector(apps_writer, app_rx));
+        let (member_events, members_listed) =
+            flotilla_common::listed::track(kube::runtime::reflector(members_writer, member_rx));
+        let (grant_events, grants_listed) =
+            flotilla_common::listed::track(kube::runtime::reflector(grants_writer, grant_rx));
+        let drained_apps = tokio::spawn(app_events.for_each(|_| async {}));
+        let drained_members = tokio::spawn(member_events.for_each(|_| async {}));
+        let (grants_changed, grants_rx) = watch::channel(());
+        let grant_watch = tokio::spawn(watch_grants(grant_events, grants_changed));
+        let (_members_changed, members_rx) = watch::channel(MemberChanges::default());
+        let (_triggers, triggers_rx) = mpsc::unbounded_channel();
+        let (_leading, leading) = watch::channel(true);
+        let status = Arc::new(StatusBoard::default());
+        let planner = Planner {
+            admission: Admission::default(),
+            dispatcher: Arc::new(Dispatcher::default()),
+            status: status.clone(),
+            notices: Arc::new(Notices::new(leading).0),
+            apps,
+            members,
+            grants,
+            require_grant: true,
+        };
+        let inputs = Inputs {
+            apps: triggers_rx,
+            members: members_rx,
+            grants: grants_rx,
+            apps_listed,
+            members_listed,
+            grants_listed,
+        };
+        let readiness = Readiness::default();
+        let shutdown = CancellationToken::new();
+        let run =
+            tokio::spawn(planner.run(inputs, readiness.gate("initial-plan"), shutdown.clone()));
+
+        let app: FederatedMyApp = serde_yaml::from_str(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: web, namespace: team, uid: u1, generation: 1}\n\
+             spec:\n  placement: {clusterSelector: {}}\n  template: {spec: {replicas: 1, image: 'nginx:1.27'}}\n",
+        )
+        .unwrap();
+        let grant: ClusterGrant = serde_yaml::from_str(
+            "apiVersion: flotilla.io/v1alpha1\nkind: ClusterGrant\nmetadata: {name: g, namespace: team, uid: g1}\nspec: {clusters: [c1]}\n",
+        )
+        .unwrap();
+        for event in [Init, InitApply(app), InitDone] {
+            app_tx.unbounded_send(Ok(event)).unwrap();
+        }
+        for c in ["c1", "c2"] {
+            let mc = MemberCluster::new(c, Default::default());
+            member_tx.unbounded_send(Ok(InitApply(mc))).unwrap();
+        }
+        member_tx.unbounded_send(Ok(InitDone)).unwrap();
+        grant_tx.unbounded_send(Ok(Init)).unwrap();
+        grant_tx
+            .unbounded_send(Ok(InitApply(grant.clone())))
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        let key = AppKey::new("team", "web");
+        assert_eq!(readiness.waiting(), ["initial-plan"], "admitted agents");
+        assert!(
+            status.planned(&key).is_none(),
+            "planned before the grants listed"
+        );
+
+        grant_tx.unbounded_send(Ok(InitDone)).unwrap();
+        let planned = |want: fn(&AppPlan) -> bool| {
+            let (status, key) = (status.clone(), key.clone());
+            async move {
+                for _ in 0..100 {
+                    if status.planned(&key).is_some_and(|p| want(&p.plan)) {
+                        return true;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                false
+            }
+        };
+        let granted = |p: &AppPlan| {
+            p.clusters["c1"].rendered().is_some()
+                && matches!(p.clusters["c2"], ClusterPlan::Keep(_))
+        };
+        assert!(planned(granted).await, "c1 alone, as granted");
+        assert!(
+            readiness.waiting().is_empty(),
+            "agents admitted once planned"
+        );
+
+        grant_tx.unbounded_send(Ok(Delete(grant))).unwrap();
+        let kept = |p: &AppPlan| {
+            let desired = p.desired();
+            p.placement_error
+                .as_ref()
+                .is_some_and(|e| e.reason() == "NotGranted")
+                && desired.len() == 2
+                && desired.values().all(|d| *d == Desired::Keep)
+        };
+        assert!(
+            planned(kept).await,
+            "the last grant gone: nothing granted, all kept"
+        );
+        shutdown.cancel();
+        run.await.unwrap().unwrap();
+        grant_watch.abort();
+        for task in [drained_apps, drained_members] {
+            task.abort();
+        }
+    }
+
     /// A re-list's new generation reaches the planner only once the store shows it: a
     /// trigger taken earlier would plan the old object, and none would follow.
     #[tokio::test]
