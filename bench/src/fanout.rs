@@ -37,6 +37,7 @@ use flotilla_hub::membership::{self, Membership};
 use flotilla_hub::server::FederationService;
 use flotilla_hub::status::{Planned, StatusBoard};
 use flotilla_plan::admission::Admission;
+use flotilla_plan::grants::Grants;
 use flotilla_plan::index::Desired;
 use flotilla_plan::plan;
 use flotilla_plan::planner::key_of;
@@ -282,7 +283,7 @@ fn hub_service(
     for a in 0..size.apps {
         let app = fed_app(a, size);
         let key = key_of(&app);
-        let plan = plan(&app, &members, &Admission::default());
+        let plan = plan(&app, &members, &Admission::default(), &Grants::default());
         let desired = plan.desired();
         pairs += desired
             .values()
@@ -345,7 +346,13 @@ impl Bare {
         let members = (0..size.clusters)
             .map(|i| (cluster_name(i), Default::default()))
             .collect();
-        let desired = plan(&fed_app(0, size), &members, &Admission::default()).desired();
+        let desired = plan(
+            &fed_app(0, size),
+            &members,
+            &Admission::default(),
+            &Grants::default(),
+        )
+        .desired();
         let Some(Desired::Apply(one)) = desired.into_values().last() else {
             bail!("the sample app did not render");
         };

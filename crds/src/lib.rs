@@ -2,6 +2,7 @@
 
 pub mod condition;
 pub mod federated;
+pub mod grant;
 pub mod inventory;
 mod key;
 pub mod member;
@@ -9,6 +10,7 @@ pub mod myapp;
 pub mod tenancy;
 
 pub use federated::{FederatedMyApp, FederatedMyAppSpec, FederatedMyAppStatus};
+pub use grant::{ClusterGrant, ClusterGrantSpec};
 pub use key::AppKey;
 pub use member::{MemberCluster, MemberClusterSpec, MemberClusterStatus};
 pub use myapp::{MyApp, MyAppSpec, MyAppStatus};
@@ -40,7 +42,12 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
         "v1",
     )
     .expect("the MyApp versions share group, kind and scope");
-    vec![FederatedMyApp::crd(), MemberCluster::crd(), myapp]
+    vec![
+        FederatedMyApp::crd(),
+        MemberCluster::crd(),
+        myapp,
+        ClusterGrant::crd(),
+    ]
 }
 
 /// The cluster inventory API's CRDs (`multicluster.x-k8s.io`), for a host where no other

@@ -11,9 +11,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use flotilla_crds::{
-    FederatedMyApp, HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MemberCluster,
+    ClusterGrant, FederatedMyApp, HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE,
+    MemberCluster,
 };
 use flotilla_plan::admission::Admission;
+use flotilla_plan::grants::Grants;
 use flotilla_plan::placement::{self, Members};
 use flotilla_plan::rollout::{self, Observed, Seen};
 use flotilla_plan::{ClusterPlan, plan};
@@ -73,12 +75,13 @@ pub fn members_of(clusters: &[MemberCluster]) -> Members {
     placement::registered_of(clusters)
 }
 
-/// What each of `clusters` must run, from the host's apps and registered members. An app
-/// being deleted is wanted nowhere (its copies go, or are released and so no longer
-/// managed); a cluster the hub does not know about is wanted to run nothing managed.
+/// What each of `clusters` must run, from the host's apps, registered members and
+/// ClusterGrants. An app being deleted is wanted nowhere (its copies go, or are released
+/// and so no longer managed); a cluster the hub does not know about is wanted to run
+/// nothing managed; a cluster not granted keeps whatever it has.
 pub fn desired(
     apps: &[FederatedMyApp],
-    members: &Members,
+    (members, grants): (&Members, &Grants),
     clusters: &[&str],
     actual: &ActualState,
 ) -> DesiredState {
@@ -96,7 +99,7 @@ pub fn desired(
             app.namespace().unwrap_or_else(|| "default".into()),
             app.name_any()
         );
-        let mut planned = plan(app, members, &Admission::default());
+        let mut planned = plan(app, members, &Admission::default(), grants);
         if rollout::progressive(app) {
             let observed = observed(actual, &key, now);
             rollout::gate(app, &mut planned, members, &observed, now);
@@ -279,11 +282,19 @@ pub async fn check(env: &Env) -> Result<Report> {
         .await
         .context("listing FederatedMyApps on the host")?
         .items;
-    let clusters = Api::<MemberCluster>::all(host)
+    let clusters = Api::<MemberCluster>::all(host.clone())
         .list(&ListParams::default())
         .await
         .context("listing MemberClusters on the host")?
         .items;
+    // The environment's hub runs in the default mode (a namespace without a grant
+    // places everywhere).
+    let grants = Api::<ClusterGrant>::all(host)
+        .list(&ListParams::default())
+        .await
+        .context("listing ClusterGrants on the host")?
+        .items;
+    let grants = Grants::new(false, &grants);
     let members = env.members();
     let mut have = ActualState::new();
     for m in &members {
@@ -299,7 +310,7 @@ pub async fn check(env: &Env) -> Result<Report> {
         }
         have.insert(m.to_string(), managed);
     }
-    let want = desired(&apps, &members_of(&clusters), &members, &have);
+    let want = desired(&apps, (&members_of(&clusters), &grants), &members, &have);
     Ok(compare(&want, &have))
 }
 
@@ -386,7 +397,7 @@ mod tests {
         let m = members(&[("a", &[]), ("b", &[])]);
         let nothing = desired(
             std::slice::from_ref(&rolled),
-            &m,
+            (&m, &Grants::default()),
             &["a", "b"],
             &ActualState::new(),
         );
@@ -407,7 +418,12 @@ mod tests {
             ),
             ("b".into(), BTreeMap::from([("default/web".into(), old)])),
         ]);
-        let d = desired(std::slice::from_ref(&rolled), &m, &["a", "b"], &actual);
+        let d = desired(
+            std::slice::from_ref(&rolled),
+            (&m, &Grants::default()),
+            &["a", "b"],
+            &actual,
+        );
         assert!(
             compare(&d, &actual).is_converged(),
             "{:?}",
@@ -419,7 +435,12 @@ mod tests {
             ("a".into(), BTreeMap::from([("default/web".into(), new)])),
             ("b".into(), BTreeMap::from([("default/web".into(), wrong)])),
         ]);
-        let d = desired(std::slice::from_ref(&rolled), &m, &["a", "b"], &actual);
+        let d = desired(
+            std::slice::from_ref(&rolled),
+            (&m, &Grants::default()),
+            &["a", "b"],
+            &actual,
+        );
         assert_eq!(compare(&d, &actual).differences.len(), 1);
     }
 
@@ -430,7 +451,7 @@ mod tests {
         let m = members(&[("cluster1", &[]), ("cluster2", &[]), ("cluster3", &[])]);
         let d = desired(
             std::slice::from_ref(&seed),
-            &m,
+            (&m, &Grants::default()),
             &["cluster1", "cluster2", "cluster3"],
             &ActualState::new(),
         );
@@ -441,7 +462,7 @@ mod tests {
         assert_ne!(h1, h2);
         assert!(d["cluster3"].is_empty(), "not placed there");
         // The hash is the hub's: the same as `render` gives for that cluster.
-        let planned = plan(&seed, &m, &Admission::default());
+        let planned = plan(&seed, &m, &Admission::default(), &Grants::default());
         assert_eq!(planned.clusters["cluster1"].rendered().unwrap().hash, h1);
     }
 
@@ -464,7 +485,7 @@ mod tests {
         let m = members(&[("a", &[]), ("b", &[])]);
         let d = desired(
             &[bad, going],
-            &m,
+            (&m, &Grants::default()),
             &["a", "b", "unregistered"],
             &ActualState::new(),
         );
@@ -483,7 +504,12 @@ mod tests {
                    "template": {"spec": {"replicas": 1}}}),
         );
         let m = members(&[("a", &[("region", "eu")]), ("b", &[("region", "us")])]);
-        let d = desired(&[sel], &m, &["a", "b"], &ActualState::new());
+        let d = desired(
+            &[sel],
+            (&m, &Grants::default()),
+            &["a", "b"],
+            &ActualState::new(),
+        );
         assert!(d["a"].contains_key("default/sel"));
         assert!(d["b"].is_empty());
     }

@@ -1,7 +1,9 @@
 //! Tenancy on the real apiservers (DESIGN.md rule 8): a FederatedMyApp in a system
 //! namespace or in Flotilla's own is refused by the hub with a clear status and Event and
-//! reaches no member; an agent refuses such a MyApp even when a hub sends it. Each test
-//! ends with the convergence checker green and the deletion log clean.
+//! reaches no member; an agent refuses such a MyApp even when a hub sends it; a namespace
+//! places only on the clusters its ClusterGrants grant, and a grant withdrawn keeps what
+//! runs (in the default mode and with `--require-namespace-grant`). Each test ends with
+//! the convergence checker green and the deletion log clean.
 //! Needs a running environment (`cargo run -p flotilla-e2e -- up`).
 
 use std::collections::BTreeSet;
@@ -9,16 +11,18 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use flotilla_crds::{FederatedMyApp, MyApp};
+use flotilla_crds::{ClusterGrant, FederatedMyApp, MyApp};
 use flotilla_e2e::deletions::DeletionLog;
 use flotilla_e2e::{agent_binary, converge};
+use flotilla_lab::federation::{self, HUB};
 use flotilla_lab::support::{free_addr, http_get, sample};
 use flotilla_lab::{Env, await_object, wait_for};
 use flotilla_proto::v1::federation_server::{Federation, FederationServer};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
+use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::events::v1::Event;
-use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -383,4 +387,285 @@ async fn an_agent_refuses_forbidden_myapps_a_hub_sends() -> Result<()> {
         "managed MyApps from the rogue hub: {rogue:?}"
     );
     log.assert_clean(&BTreeSet::new())
+}
+
+/// The namespace of the grant test: its own, so that its grants bind no other test's
+/// apps (a grant in `default` would confine the seed sample).
+const GRANTED_NS: &str = "tenancy-grants";
+
+async fn create_namespace(client: &Client, name: &str) -> Result<()> {
+    let ns = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}});
+    Api::<Namespace>::all(client.clone())
+        .patch(name, &PatchParams::apply("e2e-tenancy"), &Patch::Apply(&ns))
+        .await
+        .with_context(|| format!("creating namespace {name}"))?;
+    Ok(())
+}
+
+async fn apply_grant(host: &Client, name: &str, spec: Value) -> Result<()> {
+    let grant = json!({
+        "apiVersion": "flotilla.io/v1alpha1", "kind": "ClusterGrant",
+        "metadata": {"name": name, "namespace": GRANTED_NS}, "spec": spec,
+    });
+    Api::<ClusterGrant>::namespaced(host.clone(), GRANTED_NS)
+        .patch(
+            name,
+            &PatchParams::apply("e2e-tenancy").force(),
+            &Patch::Apply(&grant),
+        )
+        .await
+        .with_context(|| format!("applying ClusterGrant {GRANTED_NS}/{name}"))?;
+    Ok(())
+}
+
+/// The MyApp `GRANTED_NS/name` on `member`: its content hash, or `None` when absent.
+async fn myapp_hash(env: &Env, member: &str, name: &str) -> Result<Option<String>> {
+    let client = env.client(member).await?;
+    let found = Api::<MyApp>::namespaced(client, GRANTED_NS)
+        .get_opt(name)
+        .await?;
+    Ok(found.map(|m| {
+        let hash = m.annotations().get(flotilla_crds::HASH_ANNOTATION).cloned();
+        hash.unwrap_or_default()
+    }))
+}
+
+/// ClusterGrants confine a namespace (DESIGN.md rule 8): granted only the first member,
+/// an app selecting every cluster lands there alone, and an app naming the second member
+/// gets `NotGranted` for it (naming the cluster and the namespace) and nothing there.
+/// Withdrawing the grant (the namespace's grants now match no cluster) keeps the MyApp
+/// on the first member as it was, the app's conditions say why, and nothing is deleted;
+/// deleting the namespace's last grant widens it to every cluster (the default mode),
+/// and the hub logs a warning naming the namespace;
+/// deleting the apps then deletes their MyApps everywhere. The deletion log holds only
+/// those last deletions.
+#[tokio::test]
+async fn a_namespace_places_only_on_the_clusters_it_is_granted() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let env = Env::load_ready().await?;
+    let host = env.client(env.host()).await?;
+    let members = env.members();
+    let [granted, other, ..] = members.as_slice() else {
+        anyhow::bail!("the grant test needs two members: {members:?}");
+    };
+    let (granted, other) = (granted.to_string(), other.to_string());
+    for cluster in std::iter::once(env.host()).chain(members.iter().copied()) {
+        create_namespace(&env.client(cluster).await?, GRANTED_NS).await?;
+    }
+    let log = DeletionLog::start(&env).await?;
+    let (spread, named) = ("grants-spread", "grants-named");
+    apply_grant(&host, "first", json!({"clusters": [granted]})).await?;
+    apply(&host, &everywhere(GRANTED_NS, spread)).await?;
+    let mut naming = everywhere(GRANTED_NS, named);
+    naming["spec"]["placement"] = json!({"clusters": [{"name": other}]});
+    apply(&host, &naming).await?;
+
+    // The spread app: on the granted member only.
+    let api = fedapps(&host, GRANTED_NS);
+    let ready_on_one = |a: Option<&FederatedMyApp>| {
+        a.and_then(|a| a.status.as_ref())
+            .is_some_and(|s| s.ready_clusters == 1 && s.placed_clusters == 1)
+    };
+    let what = format!("{GRANTED_NS}/{spread} Ready on {granted} alone");
+    await_object(&api, spread, TIMEOUT, &what, ready_on_one).await?;
+    let hash = myapp_hash(&env, &granted, spread).await?;
+    let hash = hash.with_context(|| format!("{spread} on {granted}"))?;
+    // The named app: NotGranted for the other member, naming it and the namespace.
+    let message = format!("cluster is not granted to namespace {GRANTED_NS}");
+    let said = |a: Option<&FederatedMyApp>| {
+        a.is_some_and(|a| {
+            let propagated = condition(a, "Propagated");
+            let status = a.status.as_ref();
+            let entry = status.and_then(|s| s.clusters.iter().find(|c| c.name == other));
+            propagated.is_some_and(|c| c.reason == "NotGranted" && c.message.contains(&other))
+                && entry.is_some_and(|e| e.message.starts_with(&message))
+        })
+    };
+    let what = format!("{GRANTED_NS}/{named} NotGranted for {other}");
+    await_object(&api, named, TIMEOUT, &what, said).await?;
+    converge::wait_converged(&env, TIMEOUT).await?;
+    for app in [spread, named] {
+        let there = myapp_hash(&env, &other, app).await?;
+        ensure!(there.is_none(), "{app} reached {other}, not granted");
+    }
+
+    // Withdrawn: the grant now names only a cluster nobody registered.
+    apply_grant(&host, "first", json!({"clusters": ["not-registered"]})).await?;
+    let withdrawn = |a: Option<&FederatedMyApp>| {
+        a.is_some_and(|a| {
+            condition(a, "Propagated").is_some_and(|c| {
+                c.reason == "NotGranted" && c.message.contains("grant no registered cluster")
+            })
+        })
+    };
+    let what = format!("{GRANTED_NS}/{spread} NotGranted as a whole");
+    await_object(&api, spread, TIMEOUT, &what, withdrawn).await?;
+    converge::wait_converged(&env, TIMEOUT).await?;
+    // Kept as it was: nothing deleted, nothing rewritten, nothing new elsewhere.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let kept = myapp_hash(&env, &granted, spread).await?;
+    ensure!(
+        kept.as_ref() == Some(&hash),
+        "{spread} on {granted}: {kept:?}, was {hash}"
+    );
+    ensure!(myapp_hash(&env, &other, spread).await?.is_none());
+    log.assert_clean(&BTreeSet::new())?;
+
+    // The last grant deleted: the default mode places the namespace everywhere again,
+    // and the hub says so, naming the namespace.
+    let f = federation::Federation::load(&env)?;
+    let hub_log = f.process(&env, HUB)?.log.context("the hub has no log")?;
+    let logged = std::fs::read_to_string(&hub_log)?.len();
+    Api::<ClusterGrant>::namespaced(host.clone(), GRANTED_NS)
+        .delete("first", &DeleteParams::default())
+        .await?;
+    wait_for(
+        TIMEOUT,
+        "the hub's warning that the namespace widened",
+        || async {
+            let text = std::fs::read_to_string(&hub_log)?;
+            let new = text.get(logged..).unwrap_or_default();
+            Ok(new
+                .lines()
+                .any(|l| l.contains("namespace has no ClusterGrant left") && l.contains(GRANTED_NS))
+                .then_some(()))
+        },
+    )
+    .await?;
+    for member in &members {
+        let client = env.client(member).await?;
+        let api = Api::<MyApp>::namespaced(client, GRANTED_NS);
+        let what = format!("{GRANTED_NS}/{spread} on {member} once no grant is left");
+        await_object(&api, spread, TIMEOUT, &what, |a: Option<&MyApp>| {
+            a.is_some()
+        })
+        .await?;
+    }
+    converge::wait_converged(&env, TIMEOUT).await?;
+
+    for app in [spread, named] {
+        delete_and_wait(&host, GRANTED_NS, app).await?;
+    }
+    converge::wait_converged(&env, TIMEOUT).await?;
+    let mut expected: BTreeSet<(String, String)> = members
+        .iter()
+        .map(|m| (m.to_string(), format!("{GRANTED_NS}/{spread}")))
+        .collect();
+    expected.insert((other.clone(), format!("{GRANTED_NS}/{named}")));
+    log.assert_clean(&expected)
+}
+
+/// A hub restarted with `--require-namespace-grant` (DESIGN.md rules 1, 2 and 8): a
+/// namespace without a grant places nowhere (`NotGranted` on the app as a whole, nothing
+/// on any member), a grant to the first member places it there alone, and deleting that
+/// last grant keeps the MyApp where it runs. Switching the hub to strict mode deletes
+/// nothing anywhere (every other app keeps what it runs). The hub is restarted in the
+/// default mode in any case; the app is deleted then, from wherever it runs.
+#[tokio::test]
+async fn a_hub_that_requires_grants_places_an_ungranted_namespace_nowhere() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let env = Env::load_ready().await?;
+    let host = env.client(env.host()).await?;
+    let f = federation::Federation::load(&env)?;
+    let members = env.members();
+    let first = members.first().context("a member")?.to_string();
+    let namespace = "tenancy-strict";
+    for cluster in std::iter::once(env.host()).chain(members.iter().copied()) {
+        create_namespace(&env.client(cluster).await?, namespace).await?;
+    }
+    let log = DeletionLog::start(&env).await?;
+    let name = "strict-spread";
+    let grants = Api::<ClusterGrant>::namespaced(host.clone(), namespace);
+    let strict = async {
+        f.stop(&env, HUB)?;
+        f.start_variant(&env, HUB, HUB, |l| {
+            l.args.push("--require-namespace-grant".into())
+        })?;
+        f.wait_ready(HUB).await?;
+        apply(&host, &everywhere(namespace, name)).await?;
+        let api = fedapps(&host, namespace);
+        let refused = |a: Option<&FederatedMyApp>| {
+            a.is_some_and(|a| {
+                ["Propagated", "Ready"].iter().all(|t| {
+                    condition(a, t).is_some_and(|c| {
+                        c.reason == "NotGranted"
+                            && c.message
+                                .contains("has no ClusterGrant and this hub requires one")
+                    })
+                })
+            })
+        };
+        let what = format!("{namespace}/{name} NotGranted without a grant");
+        await_object(&api, name, TIMEOUT, &what, refused).await?;
+        for member in &members {
+            let client = env.client(member).await?;
+            let there = Api::<MyApp>::namespaced(client, namespace)
+                .get_opt(name)
+                .await?;
+            ensure!(there.is_none(), "{name} reached {member} without a grant");
+        }
+        let grant = json!({
+            "apiVersion": "flotilla.io/v1alpha1", "kind": "ClusterGrant",
+            "metadata": {"name": "first", "namespace": namespace},
+            "spec": {"clusters": [first]},
+        });
+        grants
+            .patch(
+                "first",
+                &PatchParams::apply("e2e-tenancy"),
+                &Patch::Apply(&grant),
+            )
+            .await?;
+        let placed = |a: Option<&FederatedMyApp>| {
+            a.and_then(|a| a.status.as_ref())
+                .is_some_and(|s| s.ready_clusters == 1 && s.placed_clusters == 1)
+        };
+        let what = format!("{namespace}/{name} Ready on {first} alone");
+        await_object(&api, name, TIMEOUT, &what, placed).await?;
+        let client = env.client(&first).await?;
+        let hash = |m: Option<MyApp>| {
+            m.and_then(|m| m.annotations().get(flotilla_crds::HASH_ANNOTATION).cloned())
+        };
+        let myapps = Api::<MyApp>::namespaced(client, namespace);
+        let before = hash(myapps.get_opt(name).await?).context("no MyApp on the first member")?;
+        // The last grant deleted: strict mode places the namespace nowhere, and keeps it.
+        grants.delete("first", &DeleteParams::default()).await?;
+        let what = format!("{namespace}/{name} NotGranted once its grant is gone");
+        await_object(&api, name, TIMEOUT, &what, refused).await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let after = hash(myapps.get_opt(name).await?);
+        ensure!(
+            after.as_ref() == Some(&before),
+            "{name} on {first}: {after:?}, was {before}"
+        );
+        for member in members.iter().skip(1) {
+            let client = env.client(member).await?;
+            let there = Api::<MyApp>::namespaced(client, namespace)
+                .get_opt(name)
+                .await?;
+            ensure!(there.is_none(), "{name} reached {member}, never granted");
+        }
+        log.assert_clean(&BTreeSet::new())
+    }
+    .await;
+    let restored = async {
+        f.stop(&env, HUB)?;
+        f.start(&env, HUB)?;
+        f.wait_ready(HUB).await
+    }
+    .await;
+    strict?;
+    restored?;
+    for member in &members {
+        federation::wait_member_ready(&host, member, true, Duration::from_secs(90)).await?;
+    }
+    converge::wait_converged(&env, TIMEOUT).await?;
+    // Back in the default mode the namespace, which has no grant left, places
+    // everywhere: the app's deletion may take it from every member.
+    delete_and_wait(&host, namespace, name).await?;
+    converge::wait_converged(&env, TIMEOUT).await?;
+    let deleted = members
+        .iter()
+        .map(|m| (m.to_string(), format!("{namespace}/{name}")));
+    log.assert_clean(&deleted.collect())
 }

@@ -7,6 +7,7 @@ use std::hint::black_box;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use flotilla_crds::FederatedMyApp;
 use flotilla_plan::admission::Admission;
+use flotilla_plan::grants::Grants;
 use flotilla_plan::placement::{Member, Members};
 use flotilla_plan::{AppPlan, plan};
 use serde_json::json;
@@ -62,7 +63,12 @@ fn clean(planned: &AppPlan) -> bool {
 fn bench(c: &mut Criterion) {
     let (app, members) = fixture();
     assert!(
-        clean(&plan(&app, &members, &Admission::default())),
+        clean(&plan(
+            &app,
+            &members,
+            &Admission::default(),
+            &Grants::default()
+        )),
         "the fixture renders cleanly"
     );
     let mut group = c.benchmark_group("render_100_clusters_x_5_overrides");
@@ -75,7 +81,14 @@ fn bench(c: &mut Criterion) {
         })
     });
     group.bench_function("render", |b| {
-        b.iter(|| black_box(plan(black_box(&app), &members, &Admission::default())))
+        b.iter(|| {
+            black_box(plan(
+                black_box(&app),
+                &members,
+                &Admission::default(),
+                &Grants::default(),
+            ))
+        })
     });
     // The same app dividing 500 replicas by weight: the schedule's cost on top.
     let mut divided = app.clone();
@@ -89,9 +102,21 @@ fn bench(c: &mut Criterion) {
         }))
         .unwrap(),
     );
-    assert!(clean(&plan(&divided, &members, &Admission::default())));
+    assert!(clean(&plan(
+        &divided,
+        &members,
+        &Admission::default(),
+        &Grants::default()
+    )));
     group.bench_function("render_weighted", |b| {
-        b.iter(|| black_box(plan(black_box(&divided), &members, &Admission::default())))
+        b.iter(|| {
+            black_box(plan(
+                black_box(&divided),
+                &members,
+                &Admission::default(),
+                &Grants::default(),
+            ))
+        })
     });
     group.finish();
 }

@@ -135,7 +135,9 @@ pub fn render_command(args: &RenderArgs) -> anyhow::Result<RenderReport> {
         app.metadata.name.as_deref().unwrap_or_default()
     );
     let admission = crate::run::admission(&args.tenancy);
-    let planned = flotilla_plan::plan(&app, &members, &admission);
+    // Offline: no ClusterGrant is read, as for a namespace without one by default.
+    let grants = flotilla_plan::grants::Grants::default();
+    let planned = flotilla_plan::plan(&app, &members, &admission, &grants);
     if let Some(e) = planned.placement_error {
         return Err(anyhow::Error::new(e).context(object));
     }

@@ -210,10 +210,9 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Option<Dur
         set_finalizers(&api, app, finalizers).await?;
     }
     if let Some((placement_error, failures)) = ctx.notices.take_errors(&key) {
-        for (cluster, message) in failures {
+        for (cluster, reason, message) in failures {
             let note = format!("cluster {cluster}: {message}");
-            ctx.event(app, EventType::Warning, "RenderFailed", note)
-                .await;
+            ctx.event(app, EventType::Warning, reason, note).await;
         }
         if let Some((reason, e)) = placement_error {
             ctx.event(app, EventType::Warning, reason, e).await;

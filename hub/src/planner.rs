@@ -6,8 +6,11 @@
 //! made from newer clusters (rule 1: a member list read before an await once planned a
 //! joining cluster out again and sent it a Delete).
 //!
-//! Nothing is planned before both stores have listed (rule 2): a plan made from a
-//! partial list would tell agents to delete what is wanted. The first pass plans every
+//! Nothing is planned before the three stores (FederatedMyApps, MemberClusters,
+//! ClusterGrants) have listed (rule 2): a plan made from a partial list would tell
+//! agents to delete what is wanted, or read a namespace whose grants are not listed yet
+//! as one without a grant. The grants are read from their store with the clusters, in
+//! the same snapshot. The first pass plans every
 //! app, deletions too (an orphaning delete must reach agents as a release, never as a
 //! missing entry that they would collect), then opens the gate for agents; an agent is
 //! admitted only once every app was planned with its cluster registered
@@ -21,9 +24,10 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use flotilla_common::http::Gate;
 use flotilla_common::listed::Listed;
-use flotilla_crds::{FederatedMyApp, MemberCluster};
+use flotilla_crds::{ClusterGrant, FederatedMyApp, MemberCluster};
 use flotilla_plan::AppPlan;
 use flotilla_plan::admission::Admission;
+use flotilla_plan::grants::Grants;
 use flotilla_plan::index::{AppKey, Desired};
 use flotilla_plan::planner::{self, Apps, Effects, Trigger, key_of, orphans};
 use flotilla_plan::rollout::Observed;
@@ -52,6 +56,9 @@ pub struct Planner {
     pub notices: Arc<Notices>,
     pub apps: Store<FederatedMyApp>,
     pub members: Store<MemberCluster>,
+    pub grants: Store<ClusterGrant>,
+    /// `--require-namespace-grant`: a namespace without a ClusterGrant places nowhere.
+    pub require_grant: bool,
 }
 
 /// Where the planner's triggers come from.
@@ -60,13 +67,16 @@ pub struct Inputs {
     pub apps: mpsc::UnboundedReceiver<Trigger>,
     /// Bumped by the MemberCluster watch whenever the registered clusters change.
     pub members: watch::Receiver<MemberChanges>,
+    /// Bumped by [`watch_grants`] whenever the ClusterGrants change.
+    pub grants: watch::Receiver<()>,
     pub apps_listed: Listed,
     pub members_listed: Listed,
+    pub grants_listed: Listed,
 }
 
 impl Planner {
-    /// Waits until both stores have listed, plans every app, opens `gate`, then plans
-    /// what each trigger may have changed until `shutdown`.
+    /// Waits until the three stores have listed, plans every app, opens `gate`, then
+    /// plans what each trigger may have changed until `shutdown`.
     pub async fn run(
         self,
         mut inputs: Inputs,
@@ -84,12 +94,18 @@ impl Planner {
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             r = async {
-                tokio::try_join!(wait("FederatedMyApp", inputs.apps_listed.clone()), wait("MemberCluster", inputs.members_listed.clone()))
+                tokio::try_join!(
+                    wait("FederatedMyApp", inputs.apps_listed.clone()),
+                    wait("MemberCluster", inputs.members_listed.clone()),
+                    wait("ClusterGrant", inputs.grants_listed.clone()),
+                )
             } => { r?; }
         }
         let mut core = planner::Planner::new(self.admission.clone());
         inputs.members.borrow_and_update();
-        self.plan(&mut core, vec![Trigger::Members]);
+        inputs.grants.borrow_and_update();
+        let mut grants = Grants::new(self.require_grant, std::iter::empty());
+        self.plan(&mut core, vec![Trigger::Members], &mut grants);
         gate.open();
         info!(
             apps = self.apps.state().len(),
@@ -97,15 +113,21 @@ impl Planner {
             "every app planned; accepting agents"
         );
         while let Some(batch) = next_batch(&mut inputs, &core, &shutdown).await? {
-            self.plan(&mut core, batch);
+            self.plan(&mut core, batch, &mut grants);
         }
         Ok(())
     }
 
-    /// Plans `batch` with one snapshot of the registered clusters, taken now: after the
-    /// last await, so that no plan after it can use older clusters.
-    fn plan(&self, core: &mut planner::Planner, batch: Vec<Trigger>) {
+    /// Plans `batch` with one snapshot of the registered clusters and the grants, taken
+    /// now: after the last await, so that no plan after it can use older ones. `last`:
+    /// the grants of the previous batch, to say what changed.
+    fn plan(&self, core: &mut planner::Planner, batch: Vec<Trigger>, last: &mut Grants) {
         let members = registered(&self.members);
+        let grants = Grants::new(self.require_grant, self.grants.state().iter().map(|g| &**g));
+        if grants != *last {
+            log_grant_changes(&grants, last);
+            *last = grants.clone();
+        }
         let now = Instant::now().into_std();
         let apps = AppStore(&self.apps);
         let mut writes = Writes {
@@ -121,13 +143,33 @@ impl Planner {
             {
                 continue;
             }
-            core.handle(trigger, &apps, &members, now, &mut writes);
+            core.handle(trigger, &apps, (&members, &grants), now, &mut writes);
         }
     }
 }
 
-/// Waits for the next triggers: whatever the app watch queued, a membership change, or
-/// the earliest recheck. `None` at shutdown.
+/// Says what a change of the grants means where a user should hear it: a namespace whose
+/// last grant is gone may place on every cluster again (the default mode), a grant with
+/// an invalid selector grants nothing by it.
+fn log_grant_changes(grants: &Grants, before: &Grants) {
+    for namespace in grants.widened(before) {
+        warn!(
+            %namespace,
+            "namespace has no ClusterGrant left: its FederatedMyApps may be placed on every cluster again (run the hub with --require-namespace-grant to place such a namespace nowhere)"
+        );
+    }
+    for (field, reason) in grants.invalid() {
+        warn!(%field, %reason, "invalid ClusterGrant selector: it grants no cluster");
+    }
+    let namespaces = grants.changed(before);
+    info!(
+        ?namespaces,
+        "ClusterGrants changed: planning these namespaces again"
+    );
+}
+
+/// Waits for the next triggers: whatever the app watch queued, a membership change, a
+/// change of the grants, or the earliest recheck. `None` at shutdown.
 async fn next_batch(
     inputs: &mut Inputs,
     core: &planner::Planner,
@@ -154,6 +196,13 @@ async fn next_batch(
             }
             changed.context("the MemberCluster watch ended")?;
             Trigger::Members
+        }
+        changed = inputs.grants.changed() => {
+            if changed.is_err() && shutdown.is_cancelled() {
+                return Ok(None);
+            }
+            changed.context("the ClusterGrant watch ended")?;
+            Trigger::Grants
         }
         () = recheck => Trigger::Recheck,
     };
@@ -262,6 +311,31 @@ pub async fn watch_apps(
         }
     }
     anyhow::bail!("the FederatedMyApp watch ended")
+}
+
+/// Runs the ClusterGrant watch (`events` drives the store) until it ends: bumps
+/// `changed` whenever the store shows a change (a re-list's at its `InitDone`, when the
+/// store swaps in the new list). A watch never ends by itself; if it does, the hub must
+/// stop.
+pub async fn watch_grants(
+    events: impl Stream<Item = Result<watcher::Event<ClusterGrant>, watcher::Error>> + Send,
+    changed: watch::Sender<()>,
+) -> anyhow::Result<()> {
+    let mut events = std::pin::pin!(events);
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
+            Ok(_) => {
+                changed.send_replace(());
+            }
+            // The watch retries with backoff; say why it had to.
+            Err(e) => warn!(
+                error = %e,
+                "watching ClusterGrants (the hub plans nothing until they are listed; is their CRD installed? `flotilla-hub crds | kubectl apply -f -`)"
+            ),
+        }
+    }
+    anyhow::bail!("the ClusterGrant watch ended")
 }
 
 /// The apps a watch shows applied: each new object or new generation once. Those of a
@@ -489,6 +563,131 @@ mod tests {
         );
         applied.take(Delete(a_again.clone()));
         assert_eq!(names(applied.take(Apply(a_again))), [("a".into(), Some(3))]);
+    }
+
+    /// Rule 2 for the grants: nothing is planned, and no agent admitted, until the
+    /// ClusterGrants have listed (a strict hub would read a namespace whose grant is not
+    /// listed yet as granted nothing); then the grants are planned with, and a grant
+    /// deleted plans its namespace again and keeps what runs.
+    #[tokio::test]
+    async fn nothing_is_planned_before_the_grants_have_listed() {
+        use flotilla_common::http::Readiness;
+        use flotilla_plan::ClusterPlan;
+        use watcher::Event::{Delete, Init, InitApply, InitDone};
+        let (apps, apps_writer) = kube::runtime::reflector::store::<FederatedMyApp>();
+        let (members, members_writer) = kube::runtime::reflector::store::<MemberCluster>();
+        let (grants, grants_writer) = kube::runtime::reflector::store::<ClusterGrant>();
+        let (app_tx, app_rx) = futures::channel::mpsc::unbounded();
+        let (member_tx, member_rx) = futures::channel::mpsc::unbounded();
+        let (grant_tx, grant_rx) = futures::channel::mpsc::unbounded();
+        let (app_events, apps_listed) =
+            flotilla_common::listed::track(kube::runtime::reflector(apps_writer, app_rx));
+        let (member_events, members_listed) =
+            flotilla_common::listed::track(kube::runtime::reflector(members_writer, member_rx));
+        let (grant_events, grants_listed) =
+            flotilla_common::listed::track(kube::runtime::reflector(grants_writer, grant_rx));
+        let drained_apps = tokio::spawn(app_events.for_each(|_| async {}));
+        let drained_members = tokio::spawn(member_events.for_each(|_| async {}));
+        let (grants_changed, grants_rx) = watch::channel(());
+        let grant_watch = tokio::spawn(watch_grants(grant_events, grants_changed));
+        let (_members_changed, members_rx) = watch::channel(MemberChanges::default());
+        let (_triggers, triggers_rx) = mpsc::unbounded_channel();
+        let (_leading, leading) = watch::channel(true);
+        let status = Arc::new(StatusBoard::default());
+        let planner = Planner {
+            admission: Admission::default(),
+            dispatcher: Arc::new(Dispatcher::default()),
+            status: status.clone(),
+            notices: Arc::new(Notices::new(leading).0),
+            apps,
+            members,
+            grants,
+            require_grant: true,
+        };
+        let inputs = Inputs {
+            apps: triggers_rx,
+            members: members_rx,
+            grants: grants_rx,
+            apps_listed,
+            members_listed,
+            grants_listed,
+        };
+        let readiness = Readiness::default();
+        let shutdown = CancellationToken::new();
+        let run =
+            tokio::spawn(planner.run(inputs, readiness.gate("initial-plan"), shutdown.clone()));
+
+        let app: FederatedMyApp = serde_yaml::from_str(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: web, namespace: team, uid: u1, generation: 1}\n\
+             spec:\n  placement: {clusterSelector: {}}\n  template: {spec: {replicas: 1, image: 'nginx:1.27'}}\n",
+        )
+        .unwrap();
+        let grant: ClusterGrant = serde_yaml::from_str(
+            "apiVersion: flotilla.io/v1alpha1\nkind: ClusterGrant\nmetadata: {name: g, namespace: team, uid: g1}\nspec: {clusters: [c1]}\n",
+        )
+        .unwrap();
+        for event in [Init, InitApply(app), InitDone] {
+            app_tx.unbounded_send(Ok(event)).unwrap();
+        }
+        for c in ["c1", "c2"] {
+            let mc = MemberCluster::new(c, Default::default());
+            member_tx.unbounded_send(Ok(InitApply(mc))).unwrap();
+        }
+        member_tx.unbounded_send(Ok(InitDone)).unwrap();
+        grant_tx.unbounded_send(Ok(Init)).unwrap();
+        grant_tx
+            .unbounded_send(Ok(InitApply(grant.clone())))
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        let key = AppKey::new("team", "web");
+        assert_eq!(readiness.waiting(), ["initial-plan"], "admitted agents");
+        assert!(
+            status.planned(&key).is_none(),
+            "planned before the grants listed"
+        );
+
+        grant_tx.unbounded_send(Ok(InitDone)).unwrap();
+        let planned = |want: fn(&AppPlan) -> bool| {
+            let (status, key) = (status.clone(), key.clone());
+            async move {
+                for _ in 0..100 {
+                    if status.planned(&key).is_some_and(|p| want(&p.plan)) {
+                        return true;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                false
+            }
+        };
+        let granted = |p: &AppPlan| {
+            p.clusters["c1"].rendered().is_some()
+                && matches!(p.clusters["c2"], ClusterPlan::Keep(_))
+        };
+        assert!(planned(granted).await, "c1 alone, as granted");
+        assert!(
+            readiness.waiting().is_empty(),
+            "agents admitted once planned"
+        );
+
+        grant_tx.unbounded_send(Ok(Delete(grant))).unwrap();
+        let kept = |p: &AppPlan| {
+            let desired = p.desired();
+            p.placement_error
+                .as_ref()
+                .is_some_and(|e| e.reason() == "NotGranted")
+                && desired.len() == 2
+                && desired.values().all(|d| *d == Desired::Keep)
+        };
+        assert!(
+            planned(kept).await,
+            "the last grant gone: nothing granted, all kept"
+        );
+        shutdown.cancel();
+        run.await.unwrap().unwrap();
+        grant_watch.abort();
+        for task in [drained_apps, drained_members] {
+            task.abort();
+        }
     }
 
     /// A re-list's new generation reaches the planner only once the store shows it: a

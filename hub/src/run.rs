@@ -82,6 +82,11 @@ pub struct RunArgs {
     pub edge: EdgeLimits,
     #[command(flatten)]
     pub tenancy: TenancyArgs,
+    /// A namespace without a ClusterGrant places its FederatedMyApps on no cluster (the
+    /// mode for a hub shared by several teams). Without this flag such a namespace
+    /// places on every cluster, and deleting a namespace's last grant widens it again.
+    #[arg(long, env = "FLOTILLA_REQUIRE_NAMESPACE_GRANT")]
+    pub require_namespace_grant: bool,
     #[command(flatten)]
     pub leader: leader::LeaderArgs,
     #[command(flatten)]
@@ -205,6 +210,9 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     let (member_events, members_listed) = watch_all(&client, members_writer);
     let (inventory_members_listed, inventory_writes) = (members_listed.clone(), writes.clone());
     let (app_events, apps_listed) = watch_all(&client, apps_writer);
+    let (grants, grants_writer) = reflector::store();
+    let (grant_events, grants_listed) = watch_all(&client, grants_writer);
+    let (grants_changed, grants_changed_rx) = watch::channel(());
     let inventory_apps_listed = apps_listed.clone();
     let (triggers, triggers_rx) = mpsc::unbounded_channel();
     status.notify_planner(triggers.clone());
@@ -238,12 +246,26 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
             _ = stop.cancelled() => Ok(()),
         }
     });
+    let watch = planner::watch_grants(grant_events, grants_changed);
+    let stop = shutdown.clone();
+    tasks.spawn("clustergrant-watch", async move {
+        tokio::select! {
+            ended = watch => ended,
+            _ = stop.cancelled() => Ok(()),
+        }
+    });
     let admission = args.admission();
     let forbidden: Vec<&str> = admission.namespaces.namespaces().map(|(n, _)| n).collect();
     tracing::info!(
         ?forbidden,
         "FederatedMyApps in these namespaces are refused"
     );
+    match args.require_namespace_grant {
+        true => tracing::info!("a namespace without a ClusterGrant places on no cluster"),
+        false => tracing::info!(
+            "a namespace without a ClusterGrant places on every cluster (--require-namespace-grant to refuse)"
+        ),
+    }
     let planner = Planner {
         admission,
         dispatcher: dispatcher.clone(),
@@ -251,12 +273,16 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         notices,
         apps: apps.clone(),
         members: members.clone(),
+        grants,
+        require_grant: args.require_namespace_grant,
     };
     let inputs = planner::Inputs {
         apps: triggers_rx,
         members: members_changed_rx,
+        grants: grants_changed_rx,
         apps_listed: apps_listed.clone(),
         members_listed,
+        grants_listed,
     };
     tasks.spawn(
         "planner",
@@ -397,5 +423,14 @@ mod tests {
         for ns in ["default", "flotilla-system", "shop"] {
             assert!(!refused(ns), "{ns}");
         }
+        assert!(
+            !run.require_namespace_grant,
+            "grants are not required by default"
+        );
+        let strict = args.iter().chain(&["--require-namespace-grant"]);
+        let Command::Run(run) = Cli::try_parse_from(strict).unwrap().command else {
+            panic!("parsed as run")
+        };
+        assert!(run.require_namespace_grant);
     }
 }

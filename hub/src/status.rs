@@ -23,7 +23,7 @@ use flotilla_plan::index::AppKey;
 use flotilla_plan::planner::Trigger;
 use flotilla_plan::rollout::{Observed, Seen};
 use flotilla_plan::status::{Inputs, Report, compute, detail};
-use flotilla_plan::{AppPlan, ClusterPlan, KeepReason};
+use flotilla_plan::{AppPlan, ClusterPlan};
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -48,8 +48,11 @@ const KIND: &str = "federatedmyapp";
 const CONCURRENCY: usize = 8;
 
 /// What a user must fix in a plan, in words: the app's error (with its reason), and
-/// each cluster's.
-pub type PlanErrors = (Option<(&'static str, String)>, Vec<(String, String)>);
+/// each cluster's (cluster, reason, message).
+pub type PlanErrors = (
+    Option<(&'static str, String)>,
+    Vec<(String, &'static str, String)>,
+);
 
 /// One app's plan as the board holds it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -68,7 +71,7 @@ impl Planned {
     /// Whether its status reports on `cluster`.
     fn reports_on(&self, cluster: &str) -> bool {
         let p = self.plan.clusters.get(cluster);
-        p.is_some_and(|p| *p != ClusterPlan::Keep(KeepReason::Unplanned))
+        p.is_some_and(ClusterPlan::is_reported)
     }
 
     /// What a user must fix: the app's error (or its halted rollout) and each
@@ -77,7 +80,7 @@ impl Planned {
         let failed = self
             .plan
             .reported()
-            .filter_map(|(c, p)| Some((c.clone(), p.error()?)));
+            .filter_map(|(c, p)| Some((c.clone(), p.error_reason(), p.error()?)));
         let halted = (self.plan.rollout.as_ref())
             .filter(|r| r.state == "Halted")
             .map(|r| ("RolloutHalted", r.message.clone()));

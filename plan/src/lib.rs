@@ -8,6 +8,7 @@
 //!   forbidden, a template and overrides within size limits;
 //! - [`placement`]: which registered clusters an app goes to, and what planning reads of
 //!   a MemberCluster ([`placement::Member`]);
+//! - [`grants`]: which of them the app's namespace may place on (its ClusterGrants);
 //! - [`schedule`]: how many replicas each placed cluster runs, as named steps
 //!   (validate, classify, spread, apportion, assign, transition);
 //! - [`overrides`]: one cluster's RFC 6902 operations on the template;
@@ -26,6 +27,7 @@
 #![warn(clippy::too_many_lines)]
 
 pub mod admission;
+pub mod grants;
 pub mod index;
 pub mod overrides;
 pub mod placement;

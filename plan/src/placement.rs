@@ -82,6 +82,9 @@ pub struct Decision {
     pub clusters: Vec<String>,
     /// Clusters named in `placement.clusters` that are not registered, sorted.
     pub unknown: Vec<String>,
+    /// Registered clusters placement chooses but the app's namespace is not granted
+    /// (filled in by [`crate::plan()`] from [`crate::grants`]), sorted.
+    pub not_granted: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -99,6 +102,7 @@ pub fn place(placement: &Placement, members: &Members) -> Result<Decision, Selec
         return Ok(Decision {
             clusters: owned(clusters),
             unknown: owned(unknown),
+            not_granted: vec![],
         });
     }
     let Some(selector) = &placement.cluster_selector else {
@@ -113,6 +117,7 @@ pub fn place(placement: &Placement, members: &Members) -> Result<Decision, Selec
     Ok(Decision {
         clusters,
         unknown: vec![],
+        not_granted: vec![],
     })
 }
 

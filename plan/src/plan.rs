@@ -17,6 +17,7 @@ use flotilla_crds::federated::SchedulingReason;
 use serde_json::Value;
 
 use crate::admission::{Admission, Refusal};
+use crate::grants::{Granted, Grants, NothingGranted};
 use crate::index::Desired;
 use crate::overrides::{self, Located};
 use crate::placement::{self, Decision, Members, SelectorError};
@@ -58,6 +59,11 @@ pub enum KeepReason {
     /// A progressive rollout has not reached it yet ([`crate::rollout`]): it runs
     /// another revision, or nothing, until its wave.
     Held,
+    /// Placement chooses it, but the app's namespace is not granted it
+    /// ([`crate::grants`]): nothing new goes there and what runs there stays (a grant
+    /// withdrawn is not a deletion). `named`: `spec.placement.clusters` names it, and
+    /// status says so; one a selector matches is left out of status.
+    NotGranted { namespace: String, named: bool },
 }
 
 impl ClusterPlan {
@@ -70,13 +76,36 @@ impl ClusterPlan {
     }
 
     /// What a user must fix for this cluster, in words (status shows it as
-    /// `RenderFailed`, an Event repeats it): a failed render or an unknown cluster.
+    /// `RenderFailed`, an Event repeats it): a failed render or an unknown cluster; or a
+    /// named cluster the namespace is not granted (`NotGranted`).
     pub fn error(&self) -> Option<String> {
         match self {
             ClusterPlan::Keep(KeepReason::RenderFailed(e)) => Some(e.to_string()),
             ClusterPlan::Unknown => Some(UNKNOWN_CLUSTER.to_owned()),
+            ClusterPlan::Keep(KeepReason::NotGranted {
+                namespace,
+                named: true,
+            }) => Some(not_granted(namespace)),
             ClusterPlan::Apply(_) | ClusterPlan::Keep(_) => None,
         }
+    }
+
+    /// The reason that goes with [`ClusterPlan::error`] in status and Events.
+    pub fn error_reason(&self) -> &'static str {
+        match self {
+            ClusterPlan::Keep(KeepReason::NotGranted { .. }) => "NotGranted",
+            _ => "RenderFailed",
+        }
+    }
+
+    /// Whether status reports on this cluster: not when it is kept because the app as a
+    /// whole could not be planned (the app's error says why), nor when a selector
+    /// matches it but the namespace is not granted it.
+    pub fn is_reported(&self) -> bool {
+        !matches!(
+            self,
+            ClusterPlan::Keep(KeepReason::Unplanned | KeepReason::NotGranted { named: false, .. })
+        )
     }
 
     /// What the index holds for the cluster; `None`: nothing (an unknown cluster).
@@ -89,11 +118,21 @@ impl ClusterPlan {
     }
 }
 
+/// What status and Events say of a cluster `spec.placement.clusters` names that the
+/// app's namespace is not granted.
+pub fn not_granted(namespace: &str) -> String {
+    format!(
+        "cluster is not granted to namespace {namespace} (no ClusterGrant there names or selects it): nothing new is placed there, what runs there stays"
+    )
+}
+
 /// Why nothing of an app can be planned: every cluster keeps what it has.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AppError {
     #[error(transparent)]
     Refused(#[from] Refusal),
+    #[error(transparent)]
+    NotGranted(#[from] NothingGranted),
     #[error(transparent)]
     Placement(#[from] SelectorError),
     #[error(transparent)]
@@ -105,6 +144,7 @@ impl AppError {
     pub fn reason(&self) -> &'static str {
         match self {
             AppError::Refused(r) => r.reason(),
+            AppError::NotGranted(_) => "NotGranted",
             AppError::Placement(_) | AppError::Schedule(_) => "InvalidPlacement",
         }
     }
@@ -139,21 +179,24 @@ impl AppPlan {
             .collect()
     }
 
-    /// The clusters status reports on: all but those kept because the app as a whole
-    /// could not be planned (the app's error says why).
+    /// The clusters status reports on ([`ClusterPlan::is_reported`]).
     pub fn reported(&self) -> impl Iterator<Item = (&String, &ClusterPlan)> {
-        self.clusters
-            .iter()
-            .filter(|(_, p)| **p != ClusterPlan::Keep(KeepReason::Unplanned))
+        self.clusters.iter().filter(|(_, p)| p.is_reported())
     }
 }
 
 /// Admits, places, schedules and renders one FederatedMyApp. The app fails as a whole
-/// only when `admission` refuses it or the placement or the division is invalid; each
-/// cluster's failure is that cluster's alone.
-pub fn plan(app: &FederatedMyApp, members: &Members, admission: &Admission) -> AppPlan {
+/// only when `admission` refuses it, its namespace is granted no cluster, or the
+/// placement or the division is invalid; each cluster's failure is that cluster's alone.
+/// Replicas are divided among the granted clusters only.
+pub fn plan(
+    app: &FederatedMyApp,
+    members: &Members,
+    admission: &Admission,
+    grants: &Grants,
+) -> AppPlan {
     let generation = app.metadata.generation;
-    match place_and_schedule(app, members, admission) {
+    match place_and_schedule(app, members, admission, grants) {
         Ok((decision, schedule)) => placed(app, decision, schedule, generation),
         Err(e) => AppPlan {
             generation,
@@ -171,9 +214,16 @@ fn place_and_schedule(
     app: &FederatedMyApp,
     members: &Members,
     admission: &Admission,
+    grants: &Grants,
 ) -> Result<(Decision, Schedule), AppError> {
     admission.admit(app)?;
-    let decision = placement::place(&app.spec.placement, members)?;
+    let namespace = app.metadata.namespace.as_deref().unwrap_or("default");
+    let granted = grants.granted(namespace, members)?;
+    let mut decision = placement::place(&app.spec.placement, members)?;
+    if let Granted::Only(_) = &granted {
+        let (placed, refused) = (decision.clusters.drain(..)).partition(|c| granted.allows(c));
+        (decision.clusters, decision.not_granted) = (placed, refused);
+    }
     let inputs = schedule::Inputs::for_app(app, &decision.clusters, members)?;
     let schedule = schedule::schedule(&inputs)?;
     Ok((decision, schedule))
@@ -247,6 +297,15 @@ fn placed(
     }
     for cluster in decision.unknown {
         clusters.insert(cluster, ClusterPlan::Unknown);
+    }
+    let namespace = app.metadata.namespace.as_deref().unwrap_or("default");
+    let named = app.spec.placement.clusters.is_some();
+    for cluster in decision.not_granted {
+        let reason = KeepReason::NotGranted {
+            namespace: namespace.to_owned(),
+            named,
+        };
+        clusters.insert(cluster, ClusterPlan::Keep(reason));
     }
     AppPlan {
         generation,
@@ -333,6 +392,9 @@ fn unplaced_overrides(app: &FederatedMyApp, placed: &[String]) -> Vec<String> {
 }
 
 #[cfg(test)]
+mod granted;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use flotilla_crds::federated::ClusterOverrides;
@@ -355,7 +417,7 @@ mod tests {
 
     /// The plan, or the app's error when it has one.
     fn render(app: &FederatedMyApp, members: &Members) -> Result<AppPlan, AppError> {
-        let planned = plan(app, members, &Admission::default());
+        let planned = plan(app, members, &Admission::default(), &Grants::default());
         match planned.placement_error {
             Some(e) => Err(e),
             None => Ok(planned),
@@ -726,7 +788,12 @@ mod tests {
             "kube-node-lease",
             "flotilla-system",
         ] {
-            let p = plan(&in_namespace(namespace), &clusters, &Admission::default());
+            let p = plan(
+                &in_namespace(namespace),
+                &clusters,
+                &Admission::default(),
+                &Grants::default(),
+            );
             let e = p.placement_error.as_ref().expect("refused");
             assert_eq!(e.reason(), "NamespaceForbidden");
             assert!(
@@ -746,7 +813,12 @@ mod tests {
         let clusters = members(&["cluster1", "cluster2"]);
         let key = crate::AppKey::new("default", "my-app-sample");
         let mut index = crate::index::Index::default();
-        let allowed = plan(&app(SEED), &clusters, &Admission::default());
+        let allowed = plan(
+            &app(SEED),
+            &clusters,
+            &Admission::default(),
+            &Grants::default(),
+        );
         assert_eq!(index.set_app(&key, Some(1), allowed.desired()).len(), 2);
         let strict = Admission {
             namespaces: flotilla_crds::tenancy::NamespacePolicy::new(
@@ -755,7 +827,7 @@ mod tests {
             ),
             ..Admission::default()
         };
-        let refused = plan(&app(SEED), &clusters, &strict);
+        let refused = plan(&app(SEED), &clusters, &strict, &Grants::default());
         assert!(refused.placement_error.is_some());
         assert_eq!(refused.desired().len(), 2, "every cluster is kept");
         assert!(refused.desired().values().all(|d| *d == Desired::Keep));
@@ -787,6 +859,7 @@ mod tests {
             &a,
             &members(&["cluster1", "cluster2"]),
             &Admission::default(),
+            &Grants::default(),
         );
         let e = p.placement_error.expect("refused");
         assert_eq!(e.reason(), "TooLarge");
@@ -862,7 +935,7 @@ mod tests {
                      overrides:\n  - clusterName: c2\n    clusterOverrides: [{path: /spec/replicas, value: 99}]\n",
         );
         let members = members(&["c1", "c2"]);
-        let p = plan(&a, &members, &Admission::default());
+        let p = plan(&a, &members, &Admission::default(), &Grants::default());
         let desired = p.desired();
         assert_eq!(p.generation, Some(3));
         assert!(matches!(desired["c1"], Desired::Apply(_)));
@@ -883,7 +956,12 @@ mod tests {
                      spec:\n  placement: {clusters: [{name: c1}, {name: c2}, {name: c3}]}\n  template: {spec: {replicas: 2}}\n  \
                      overrides:\n  - clusterName: c3\n    clusterOverrides: [{path: /spec/replicas, value: 3}]\n",
         );
-        let p = plan(&a, &members(&["c1", "c2", "c3"]), &Admission::default());
+        let p = plan(
+            &a,
+            &members(&["c1", "c2", "c3"]),
+            &Admission::default(),
+            &Grants::default(),
+        );
         let rendered = |c: &str| match &p.desired()[c] {
             Desired::Apply(r) => r.clone(),
             other => panic!("{c}: {other:?}"),
@@ -955,7 +1033,12 @@ mod tests {
             "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: a}\n\
                      spec:\n  placement: {clusterSelector: {matchExpressions: [{key: k, operator: Bogus}]}}\n",
         );
-        let p = plan(&a, &members(&["c1"]), &Admission::default());
+        let p = plan(
+            &a,
+            &members(&["c1"]),
+            &Admission::default(),
+            &Grants::default(),
+        );
         assert!(
             p.placement_error
                 .as_ref()
@@ -1095,9 +1178,9 @@ mod tests {
         /// Duplicated cluster asks for read back from its JSON.
         fn plan_per_cluster(app: &FederatedMyApp, members: &Members) -> AppPlan {
             let Ok((decision, mut schedule)) =
-                place_and_schedule(app, members, &Admission::default())
+                place_and_schedule(app, members, &Admission::default(), &Grants::default())
             else {
-                return plan(app, members, &Admission::default());
+                return plan(app, members, &Admission::default(), &Grants::default());
             };
             let template = Template::of(app);
             let mut distinct: HashMap<String, Arc<RenderedMyApp>> = HashMap::new();
@@ -1313,7 +1396,7 @@ mod tests {
             /// culprit fields), and clusters with the same bytes share one copy.
             #[test]
             fn grouped_render_equals_render_per_cluster((app, members) in grouped_case()) {
-                let grouped = plan(&app, &members, &Admission::default());
+                let grouped = plan(&app, &members, &Admission::default(), &Grants::default());
                 let alone = plan_per_cluster(&app, &members);
                 prop_assert_eq!(&grouped, &alone);
                 let applied: Vec<&Arc<RenderedMyApp>> = grouped.clusters.values().filter_map(ClusterPlan::rendered).collect();

@@ -19,6 +19,10 @@
 //!   says which clusters every app was planned for (agents are admitted only then). It
 //!   is looked for at every trigger, so that no plan uses clusters the index was not
 //!   told about; a change of capacity alone plans the apps divided by capacity.
+//! - A change of the ClusterGrants plans every app of each namespace whose grants
+//!   changed, with the clusters of the same snapshot. It too is looked for at every
+//!   trigger, so that no plan uses grants other than the latest the hub listed. A grant
+//!   withdrawn keeps what runs ([`crate::grants`]).
 //! - A recheck plans the apps whose plan asked to be looked at again by now (a grace
 //!   period, a rollout's soak or progress deadline that ends).
 //! - A progressive app ([`crate::rollout`]) is planned again when what its agents report
@@ -34,6 +38,7 @@ use flotilla_crds::member::ClusterCapacity;
 use kube::ResourceExt;
 
 use crate::admission::Admission;
+use crate::grants::Grants;
 use crate::index::{AppKey, Desired};
 use crate::placement::{Labels, Members};
 use crate::plan::{AppPlan, plan};
@@ -54,6 +59,8 @@ pub enum Trigger {
     Gone { key: AppKey, orphan: bool },
     /// The registered clusters may have changed.
     Members,
+    /// The ClusterGrants may have changed.
+    Grants,
     /// Some plan asked to be looked at again by now.
     Recheck,
     /// What the agents report of a progressive app changed the revision or readiness of
@@ -176,12 +183,14 @@ impl Rechecks {
     }
 }
 
-/// The planner's state: what the clusters were when every app was last planned, and
-/// when each app wants another look; and what it admits.
+/// The planner's state: what the clusters were when every app was last planned, the
+/// grants every app was last planned with, and when each app wants another look; and
+/// what it admits.
 #[derive(Debug, Default)]
 pub struct Planner {
     admission: Admission,
     planned_for: Option<PlannedFor>,
+    grants: Grants,
     rechecks: Rechecks,
 }
 
@@ -194,22 +203,26 @@ impl Planner {
         }
     }
 
-    /// Plans what `trigger` may have changed, with the apps and the registered clusters
-    /// as they are now. Whatever the trigger, clusters of another shape than every app
-    /// was planned for are planned for first (every app), so that no plan uses clusters
-    /// the index was not told about.
+    /// Plans what `trigger` may have changed, with the apps, the registered clusters and
+    /// the grants as they are now. Whatever the trigger, clusters of another shape than
+    /// every app was planned for are planned for first (every app), so that no plan
+    /// uses clusters the index was not told about; then the apps of each namespace whose
+    /// grants changed.
     pub fn handle(
         &mut self,
         trigger: Trigger,
         apps: &impl Apps,
-        members: &Members,
+        (members, grants): (&Members, &Grants),
         now: Instant,
         fx: &mut impl Effects,
     ) {
-        let replanned = self.plan_for_shape(apps, members, now, fx);
+        let replanned = self.plan_for_shape(apps, members, grants, now, fx);
+        let regranted = self.plan_for_grants(apps, members, grants, now, fx);
+        let members = (members, grants);
         match trigger {
             Trigger::Applied(key) | Trigger::Observed(key) => {
-                if let Some(app) = apps.get(&key).filter(|_| !replanned) {
+                let planned = replanned || regranted.contains(&key.namespace);
+                if let Some(app) = apps.get(&key).filter(|_| !planned) {
                     self.plan_app(&app, members, now, fx);
                 }
             }
@@ -223,6 +236,8 @@ impl Planner {
                 }
             }
             Trigger::Members => self.plan_for_capacity(apps, members, now, fx),
+            // Planned above, as every trigger is looked at for it.
+            Trigger::Grants => {}
             Trigger::Recheck => {
                 for key in self.rechecks.take_due(now) {
                     if let Some(app) = apps.get(&key) {
@@ -246,6 +261,7 @@ impl Planner {
         &mut self,
         apps: &impl Apps,
         members: &Members,
+        grants: &Grants,
         now: Instant,
         fx: &mut impl Effects,
     ) -> bool {
@@ -253,8 +269,9 @@ impl Planner {
         if self.planned_for.as_ref().is_some_and(|p| p.shape == shape) {
             return false;
         }
+        self.grants = grants.clone();
         for app in apps.all() {
-            self.plan_app(&app, members, now, fx);
+            self.plan_app(&app, (members, grants), now, fx);
         }
         fx.planned_for(members.keys().cloned().collect());
         self.planned_for = Some(PlannedFor {
@@ -264,15 +281,39 @@ impl Planner {
         true
     }
 
+    /// Plans the apps of each namespace whose grants changed; returns those namespaces.
+    fn plan_for_grants(
+        &mut self,
+        apps: &impl Apps,
+        members: &Members,
+        grants: &Grants,
+        now: Instant,
+        fx: &mut impl Effects,
+    ) -> BTreeSet<String> {
+        let changed = grants.changed(&self.grants);
+        if changed.is_empty() {
+            return changed;
+        }
+        self.grants = grants.clone();
+        let apps = apps.all();
+        for app in apps
+            .iter()
+            .filter(|a| changed.contains(&key_of(a).namespace))
+        {
+            self.plan_app(app, (members, grants), now, fx);
+        }
+        changed
+    }
+
     /// Plans the apps divided by capacity when the clusters' capacity changed.
     fn plan_for_capacity(
         &mut self,
         apps: &impl Apps,
-        members: &Members,
+        members: (&Members, &Grants),
         now: Instant,
         fx: &mut impl Effects,
     ) {
-        let capacity = capacity(members);
+        let capacity = capacity(members.0);
         match &mut self.planned_for {
             Some(p) if p.capacity != capacity => p.capacity = capacity,
             _ => return,
@@ -286,12 +327,12 @@ impl Planner {
     fn plan_app(
         &mut self,
         app: &FederatedMyApp,
-        members: &Members,
+        (members, grants): (&Members, &Grants),
         now: Instant,
         fx: &mut impl Effects,
     ) {
         let key = key_of(app);
-        let mut plan = plan(app, members, &self.admission);
+        let mut plan = plan(app, members, &self.admission, grants);
         let recheck = if app.metadata.deletion_timestamp.is_some() {
             // Every registered cluster the spec places it on must confirm, even one this
             // hub never saw hold it (after a restart, say).
@@ -391,7 +432,13 @@ mod tests {
             .map(|c| (c.to_owned(), Default::default()))
             .into();
         let (mut planner, mut fx, t0) = (Planner::default(), Fx::default(), Instant::now());
-        planner.handle(Trigger::Applied(key.clone()), &apps, &members, t0, &mut fx);
+        planner.handle(
+            Trigger::Applied(key.clone()),
+            &apps,
+            (&members, &Grants::default()),
+            t0,
+            &mut fx,
+        );
         assert!(matches!(fx.desired["c1"], Desired::Apply(_)));
         assert_eq!(fx.desired["c2"], Desired::Keep, "held");
         assert_eq!(fx.state.as_deref(), Some("Progressing"));
@@ -412,11 +459,23 @@ mod tests {
             since: t0,
         };
         fx.observed.insert("c1".into(), seen);
-        planner.handle(Trigger::Observed(key.clone()), &apps, &members, t0, &mut fx);
+        planner.handle(
+            Trigger::Observed(key.clone()),
+            &apps,
+            (&members, &Grants::default()),
+            t0,
+            &mut fx,
+        );
         assert_eq!(fx.desired["c2"], Desired::Keep);
         assert_eq!(planner.next_recheck(), Some(t0 + Duration::from_secs(30)));
         let later = t0 + Duration::from_secs(30);
-        planner.handle(Trigger::Recheck, &apps, &members, later, &mut fx);
+        planner.handle(
+            Trigger::Recheck,
+            &apps,
+            (&members, &Grants::default()),
+            later,
+            &mut fx,
+        );
         assert!(matches!(fx.desired["c2"], Desired::Apply(_)));
         assert_eq!(fx.state.as_deref(), Some("Progressing"), "wave 2 of 2");
     }

@@ -83,6 +83,8 @@ pub const HELD: &str = "held until its wave of the rollout (status.rollout): it 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Reason {
     RenderFailed,
+    /// Named in `spec.placement.clusters`, not granted to the app's namespace.
+    NotGranted,
     ApplyFailed,
     AgentDisconnected,
     Pending,
@@ -96,6 +98,7 @@ impl Reason {
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::RenderFailed => "RenderFailed",
+            Reason::NotGranted => "NotGranted",
             Reason::ApplyFailed => "ApplyFailed",
             Reason::AgentDisconnected => "AgentDisconnected",
             Reason::Pending => "Pending",
@@ -206,7 +209,7 @@ fn fold(
     let propagated = propagated(inputs, &tally, limits.condition_message, cond);
     let ready = match &plan.placement_error {
         // Not planned at all: "the placement selects no cluster" would blame the wrong field.
-        Some(e @ AppError::Refused(_)) => cond(
+        Some(e @ (AppError::Refused(_) | AppError::NotGranted(_))) => cond(
             "Ready",
             false,
             e.reason(),
@@ -315,6 +318,9 @@ fn tally(inputs: &Inputs<'_>, message_max: usize) -> Tally {
                 tally.placed += 1;
                 let reachable = inputs.reachable.contains(name);
                 standing(&rendered.hash, reachable, report)
+            }
+            ClusterPlan::Keep(KeepReason::NotGranted { .. }) => {
+                Standing::Behind(Reason::NotGranted, planned.error().unwrap_or_default())
             }
             failed => Standing::Behind(Reason::RenderFailed, failed.error().unwrap_or_default()),
         };
@@ -440,6 +446,9 @@ fn ready(
             Reason::RenderFailed.as_str(),
             join_capped(each, "; ", max),
         )
+    } else if placed == 0 && tally.count(Reason::NotGranted) > 0 {
+        let why = "the placement names no cluster granted to the app's namespace";
+        cond("Ready", false, Reason::NotGranted.as_str(), why.into())
     } else if placed == 0 {
         cond(
             "Ready",
@@ -489,6 +498,9 @@ fn progress(
             "the template cannot be rendered for {unrendered} cluster(s) (Propagated names them)"
         );
         Some((Reason::RenderFailed.as_str(), why))
+    } else if tally.placed == 0 && tally.count(Reason::NotGranted) > 0 {
+        let why = "the placement names no cluster granted to the app's namespace";
+        Some((Reason::NotGranted.as_str(), why.to_owned()))
     } else if tally.placed == 0 {
         let why = "the placement selects no registered cluster";
         Some(("NoClusters", why.to_owned()))

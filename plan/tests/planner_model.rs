@@ -1,14 +1,16 @@
 //! A model of the hub around its planning core: random interleavings of app events
 //! (applied with growing generations, deleted with or without `kubefed.io/orphan`, the
 //! finalizer removed by hand, re-created under the same name), membership events (join,
-//! leave, labels, readiness), agents (connect, disconnect, take their queue; what they
+//! leave, labels, readiness), ClusterGrants given and withdrawn (in the default mode and
+//! with grants required), agents (connect, disconnect, take their queue; what they
 //! apply is reported back Ready and plans the app again) and rechecks,
 //! fed to `Planner` over a real `Index` as the hub's planner task feeds it: one trigger at
 //! a time, with the apps and clusters as they are when it is taken.
 //!
 //! What must hold:
 //! - no plan pushes a Delete for a MyApp the host wants on that cluster at that moment
-//!   (a plan made from a stale member list would); an agent's connect or report never
+//!   (a plan made from a stale member list would), nor for one its placement chooses
+//!   there but a grant does not cover (withdrawing a grant is not a deletion); an agent's connect or report never
 //!   makes the index push a Delete for a MyApp the app's latest plan wants there (it may
 //!   lag the host by the triggers not yet taken, never contradict the planner);
 //! - a finalizer is released only when no connected cluster holds the MyApp or has it
@@ -22,8 +24,9 @@ use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flotilla_crds::FederatedMyApp;
+use flotilla_crds::{ClusterGrant, FederatedMyApp};
 use flotilla_plan::admission::Admission;
+use flotilla_plan::grants::Grants;
 use flotilla_plan::index::{AppKey, Change, Desired, Held, Index, Push};
 use flotilla_plan::placement::{Member, Members};
 use flotilla_plan::planner::{Apps, Effects, Planner, Trigger};
@@ -67,6 +70,12 @@ enum Event {
         tier: u8,
     },
     Ready(u8, bool),
+    /// ClusterGrant `g{grant}` in the apps' namespace grants the clusters of a tier.
+    Grant {
+        grant: u8,
+        tier: u8,
+    },
+    Withdraw(u8),
     Connect(u8),
     Disconnect(u8),
     /// The cluster's agent carries out what its queue holds.
@@ -90,6 +99,8 @@ fn event() -> impl Strategy<Value = Event> {
         1 => c().prop_map(Event::Leave),
         1 => (c(), 0u8..3).prop_map(|(cluster, tier)| Event::Relabel { cluster, tier }),
         1 => (c(), any::<bool>()).prop_map(|(c, r)| Event::Ready(c, r)),
+        1 => (0u8..2, 0u8..3).prop_map(|(grant, tier)| Event::Grant { grant, tier }),
+        1 => (0u8..2).prop_map(Event::Withdraw),
         2 => c().prop_map(Event::Connect),
         1 => c().prop_map(Event::Disconnect),
         3 => c().prop_map(Event::AgentStep),
@@ -147,12 +158,16 @@ impl App {
     }
 }
 
-/// The host: FederatedMyApps and registered clusters.
+/// The host: FederatedMyApps, registered clusters and ClusterGrants.
 #[derive(Default)]
 struct Host {
     apps: BTreeMap<AppKey, (App, Arc<FederatedMyApp>)>,
     /// Registered cluster → its tier label and since when it is NotReady.
     registered: BTreeMap<String, (u8, Option<Instant>)>,
+    /// ClusterGrant `g{n}` → the tier it grants.
+    grant_objects: BTreeMap<u8, u8>,
+    /// The grants as the planner reads them.
+    grants: Grants,
     next_uid: u32,
 }
 
@@ -181,18 +196,37 @@ impl Host {
             .collect()
     }
 
+    fn set_grants(&mut self) {
+        let objects: Vec<ClusterGrant> = (self.grant_objects.iter())
+            .map(|(g, tier)| {
+                let object = json!({
+                    "apiVersion": "flotilla.io/v1alpha1", "kind": "ClusterGrant",
+                    "metadata": {"name": format!("g{g}"), "namespace": "default"},
+                    "spec": {"clusterSelector": {"matchLabels": {"tier": TIERS[*tier as usize]}}},
+                });
+                serde_json::from_value(object).expect("a valid ClusterGrant")
+            })
+            .collect();
+        self.grants = Grants::new(self.grants.required, &objects);
+    }
+
     fn set(&mut self, key: &AppKey, app: App) {
         let object = app.object(key);
         self.apps.insert(key.clone(), (app, object));
     }
 
-    /// Whether the host wants the MyApp `key` on `cluster` now.
+    /// Whether the host wants the MyApp `key` on `cluster` now: as the grants say, or as
+    /// its placement would without them (a cluster not granted keeps what it runs, so no
+    /// grant, given or withdrawn, is ever a reason to delete).
     fn wants(&self, cluster: &str, key: &AppKey, now: Instant) -> bool {
         self.apps.get(key).is_some_and(|(app, object)| {
-            !app.deleting
-                && plan(object, &self.members(now), &Admission::default())
+            let members = self.members(now);
+            let wants = |grants: &Grants| {
+                plan(object, &members, &Admission::default(), grants)
                     .desired()
                     .contains_key(cluster)
+            };
+            !app.deleting && (wants(&self.grants) || wants(&Grants::default()))
         })
     }
 }
@@ -317,8 +351,9 @@ struct Model {
 }
 
 impl Model {
-    fn new() -> Model {
+    fn new(grants_required: bool) -> Model {
         let mut host = Host::default();
+        host.grants.required = grants_required;
         for (c, tier) in [(0, 0), (1, 1), (2, 0)] {
             host.registered.insert(cluster(c), (tier, None));
         }
@@ -334,7 +369,8 @@ impl Model {
     }
 
     fn trigger(&mut self, t: Trigger) {
-        if !(matches!(t, Trigger::Members | Trigger::Recheck) && self.triggers.contains(&t)) {
+        let collapses = matches!(t, Trigger::Members | Trigger::Grants | Trigger::Recheck);
+        if !(collapses && self.triggers.contains(&t)) {
             self.triggers.push_back(t);
         }
     }
@@ -355,6 +391,16 @@ impl Model {
             Event::Leave(c) => self.leave(c),
             Event::Relabel { cluster: c, tier } => self.relabel(c, tier),
             Event::Ready(c, ready) => self.ready(c, ready),
+            Event::Grant { grant, tier } => {
+                self.host.grant_objects.insert(grant, tier);
+                self.host.set_grants();
+                self.trigger(Trigger::Grants);
+            }
+            Event::Withdraw(grant) => {
+                self.host.grant_objects.remove(&grant);
+                self.host.set_grants();
+                self.trigger(Trigger::Grants);
+            }
             Event::Connect(c) => self.connect(c)?,
             Event::Disconnect(c) => self.disconnect(c),
             Event::AgentStep(c) => self.agent_step(c)?,
@@ -609,7 +655,13 @@ impl Model {
                 break;
             };
             let members = self.host.members(self.now);
-            (self.planner).handle(trigger, &self.host, &members, self.now, &mut self.hub);
+            (self.planner).handle(
+                trigger,
+                &self.host,
+                (&members, &self.host.grants),
+                self.now,
+                &mut self.hub,
+            );
             let pushes = std::mem::take(&mut self.hub.pushed);
             self.route(pushes, From::Plan)?;
         }
@@ -675,7 +727,7 @@ impl Model {
         let mut want: BTreeMap<String, BTreeMap<AppKey, Desired>> = BTreeMap::new();
         for (key, (app, object)) in &self.host.apps {
             prop_assert!(!app.deleting, "{key} still being deleted");
-            let mut planned = plan(object, &members, &Admission::default());
+            let mut planned = plan(object, &members, &Admission::default(), &self.host.grants);
             let observed = self.hub.observed(key);
             rollout::gate(object, &mut planned, &members, &observed, self.now);
             for (c, d) in planned.desired() {
@@ -720,9 +772,10 @@ proptest! {
 
     #[test]
     fn any_interleaving_ends_with_the_plan_of_the_final_state(
-        events in proptest::collection::vec(event(), 1..80)
+        events in proptest::collection::vec(event(), 1..80),
+        grants_required in any::<bool>(),
     ) {
-        let mut model = Model::new();
+        let mut model = Model::new(grants_required);
         for e in &events {
             model.run(e)?;
         }
@@ -738,7 +791,7 @@ proptest! {
 /// cluster, and `route` fails the test on any Delete pushed there.
 #[test]
 fn a_cluster_that_joins_while_a_new_app_is_finalized_keeps_it() {
-    let mut model = Model::new();
+    let mut model = Model::new(false);
     let events = [
         Event::Process(1),
         Event::Connect(0),

@@ -50,9 +50,8 @@ const LABEL_VALUE_MAX: usize = 63;
 
 /// The clusters the app is placed on, by name, each with why: those sent a MyApp, those
 /// whose MyApp cannot be rendered and those a rollout has not reached yet (placed all
-/// the same). Not a cluster that failed
-/// over, nor one kept because the app as a whole could not be planned, nor an unknown
-/// name.
+/// the same). Not a cluster that failed over, nor one kept because the app as a whole
+/// could not be planned or because its namespace is not granted it, nor an unknown name.
 pub fn chosen(plan: &AppPlan) -> Vec<(String, String)> {
     let why = |cluster: &str| match plan.schedule.as_ref().and_then(|s| s.clusters.get(cluster)) {
         Some(a) => format!("{:?}: {} replica(s)", a.reason, a.replicas),
@@ -70,7 +69,9 @@ pub fn chosen(plan: &AppPlan) -> Vec<(String, String)> {
                 cluster.clone(),
                 format!("{}; the rollout has not reached it yet", why(cluster)),
             )),
-            ClusterPlan::Keep(KeepReason::FailedOver | KeepReason::Unplanned)
+            ClusterPlan::Keep(
+                KeepReason::FailedOver | KeepReason::Unplanned | KeepReason::NotGranted { .. },
+            )
             | ClusterPlan::Unknown => None,
         })
         .collect()

@@ -1,4 +1,5 @@
 use super::*;
+use flotilla_plan::KeepReason;
 use flotilla_plan::render::RenderedMyApp;
 use kube::runtime::{reflector, watcher};
 

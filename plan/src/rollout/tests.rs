@@ -7,6 +7,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::admission::Admission;
+use crate::grants::Grants;
 use crate::placement::Member;
 use crate::plan::plan;
 use crate::render::{REVISION_LEN, revisioned_hash};
@@ -49,7 +50,7 @@ fn plain(names: &[&str]) -> Members {
 
 /// The hash `app` renders for `cluster`, ungated.
 fn hash_for(app: &FederatedMyApp, members: &Members, cluster: &str) -> String {
-    let p = plan(app, members, &Admission::default());
+    let p = plan(app, members, &Admission::default(), &Grants::default());
     p.clusters[cluster]
         .rendered()
         .expect("rendered")
@@ -74,7 +75,7 @@ fn gated(
     observed: &Observed,
     now: Instant,
 ) -> (AppPlan, Option<Duration>) {
-    let mut p = plan(app, members, &Admission::default());
+    let mut p = plan(app, members, &Admission::default(), &Grants::default());
     let recheck = gate(app, &mut p, members, observed, now);
     (p, recheck)
 }
@@ -155,7 +156,11 @@ fn type_all_and_no_rollout_gate_nothing_and_keep_plain_hashes() {
     for rollout in ["null", "{type: All, maxConcurrency: 1}"] {
         let a = app(&["c1", "c2"], rollout, "nginx:2", 2);
         let (p, recheck) = gated(&a, &m, &Observed::new(), Instant::now());
-        assert_eq!(p, plan(&a, &m, &Admission::default()), "{rollout}");
+        assert_eq!(
+            p,
+            plan(&a, &m, &Admission::default(), &Grants::default()),
+            "{rollout}"
+        );
         assert_eq!((p.rollout, recheck), (None, None));
         assert_eq!(revision_of(&hash_for(&a, &m, "c1")), None);
     }
@@ -367,7 +372,7 @@ fn groups_overlap_and_the_rest_go_last() {
         "nginx:2",
         2,
     );
-    let mut p = plan(&a, &m, &Admission::default());
+    let mut p = plan(&a, &m, &Admission::default(), &Grants::default());
     let mut warnings = Vec::new();
     let placed: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
     let w = waves(a.spec.rollout.as_ref().unwrap(), &placed, &m, &mut warnings);
@@ -555,7 +560,7 @@ proptest! {
             if bad == 2 { s.apply_error = Some("refused".into()); }
             Some((c.clone(), s))
         }).collect();
-        let ungated = plan(&a, &m, &Admission::default());
+        let ungated = plan(&a, &m, &Admission::default(), &Grants::default());
         let now = t0 + secs(t);
         let (p, _) = gated(&a, &m, &observed, now);
         let (later, _) = gated(&a, &m, &observed, now + secs(dt));
