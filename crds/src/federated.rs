@@ -353,12 +353,12 @@ pub struct ImageOverride {
 /// (`/spec/replicas`).
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-#[schemars(extend("x-kubernetes-validations" = [{"rule": "!(has(self.value) && has(self.valueFrom))", "message": "set value or valueFrom, not both"}]))]
 pub struct ClusterOverride {
     #[serde(default)]
     pub op: OverrideOp,
     pub path: String,
-    /// `add` and `replace` need this or `valueFrom`; ignored by `remove`.
+    /// `add` and `replace` need this or `valueFrom` (not both: that cluster's render
+    /// fails); ignored by `remove`. Schemaless, so no CEL rule can see it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "any_value")]
     pub value: Option<serde_json::Value>,
