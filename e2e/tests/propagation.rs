@@ -184,6 +184,40 @@ async fn overrides_by_label_and_the_image_helper_land_as_render_previews() -> Re
         assert_eq!(running["spec"]["image"], image, "{member}");
         assert_eq!(running["spec"]["replicas"], replicas, "{member}");
     }
+
+    // A value from a label cluster2 lacks: cluster2 keeps what it runs and its status
+    // names the label; cluster1 takes the change.
+    app["spec"]["template"]["metadata"] = json!({"annotations": {"rev": "2"}});
+    let overrides = app["spec"]["overrides"].as_array_mut().unwrap();
+    overrides.push(json!({"clusterName": "cluster2", "clusterOverrides": [
+        {"op": "add", "path": "/metadata/annotations/zone",
+         "valueFrom": {"clusterLabel": "flotilla.example/zone"}}]}));
+    apply(&c.host, &app).await?;
+    let rev2 =
+        |a: Option<&MyApp>| a.is_some_and(|a| a.annotations().get("rev").is_some_and(|r| r == "2"));
+    await_object(&myapps(&c.c1), name, TIMEOUT, "cluster1 at rev 2", rev2).await?;
+    let said = "MemberCluster cluster2 has no label flotilla.example/zone";
+    let status = status_where(&c.host, name, "cluster2's missing label reported", |s| {
+        s["clusters"].as_array().is_some_and(|a| {
+            a.iter().any(|c| {
+                c["name"] == "cluster2" && c["message"].as_str().unwrap_or("").contains(said)
+            })
+        })
+    })
+    .await?;
+    let message = status["clusters"][1]["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        message.contains("spec.overrides[3].clusterOverrides[0]"),
+        "{message}"
+    );
+    let kept = myapps(&c.c2).get(name).await?;
+    assert!(
+        !kept.annotations().contains_key("rev"),
+        "cluster2 keeps what it ran"
+    );
+    assert_eq!(kept.spec.workload.image.as_deref(), Some("nginx:1.27"));
     delete_and_wait(&c.host, name).await
 }
 
