@@ -161,6 +161,15 @@ fn overrides_by_label_the_image_helper_and_label_values_preview_per_cluster() {
     assert_eq!(got("cluster1"), want(&format!("{eu}:1.27.3"), 4, "eu"));
     assert_eq!(got("cluster2"), want("nginx:1.27", 2, "us"));
     assert_eq!(got("cluster3"), want(&format!("{eu}:1.27"), 3, "eu"));
+    // The command as README and docs/overrides.md show it: YAML, one document each.
+    let out = hub(&args[..5], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert_eq!(stdout.matches("kind: MyApp").count(), 3, "{stdout}");
+    assert!(
+        stdout.contains("image: registry.eu.example.com/library/nginx:1.27.3"),
+        "{stdout}"
+    );
 }
 
 #[test]
