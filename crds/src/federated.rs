@@ -335,10 +335,15 @@ impl ClusterOverrides {
 /// tag replaces the digest; both set give `repository:tag@digest`.
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{"rule": "!(has(self.registry) && has(self.registryFrom))", "message": "set registry or registryFrom, not both"}]))]
 pub struct ImageOverride {
     /// A registry host with an optional port, e.g. `registry.eu.example.com:5000`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub registry: Option<String>,
+    /// The registry, from a label of the target cluster (a regional mirror); not with
+    /// `registry`. A cluster without the label cannot be rendered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registry_from: Option<ClusterLabelRef>,
     /// The path within the registry, e.g. `team/web`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repository: Option<String>,
@@ -365,6 +370,14 @@ pub struct ClusterOverride {
     /// The value, taken from the target cluster.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub value_from: Option<ValueFrom>,
+}
+
+/// A label of the target cluster's MemberCluster.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterLabelRef {
+    /// e.g. `flotilla.io/registry`.
+    pub cluster_label: String,
 }
 
 /// Where an operation's value comes from in the target cluster.

@@ -133,6 +133,17 @@ async fn overrides_by_label_and_the_image_helper_land_as_render_previews() -> Re
             && said.contains("set exactly one of clusterName and clusterSelector"),
         "{said}"
     );
+    let mut both = app.clone();
+    both["spec"]["overrides"][0]["image"]["registryFrom"] = json!({"clusterLabel": "mirror"});
+    let refused = apply(&c.host, &both)
+        .await
+        .expect_err("registry twice is refused");
+    let said = refused.to_string();
+    assert!(
+        said.contains("spec.overrides[0].image")
+            && said.contains("set registry or registryFrom, not both"),
+        "{said}"
+    );
 
     let registered = Api::<MemberCluster>::all(c.host.clone())
         .list(&Default::default())

@@ -57,8 +57,8 @@ pub enum Change<'a> {
         op: &'a ClusterOverride,
         value: Option<Cow<'a, Value>>,
     },
-    /// The entry's `image`.
-    Image(&'a ImageOverride),
+    /// The entry's `image`, its registry resolved for the cluster.
+    Image(Cow<'a, ImageOverride>),
 }
 
 impl<'a> Located<'a> {
@@ -210,6 +210,13 @@ impl<'a> Targets<'a> {
         for outer in self.entries(cluster, labels) {
             let entry = &self.all[outer];
             if let Some(image) = &entry.image {
+                let image =
+                    resolve_image(image, cluster, labels).map_err(|reason| OverrideError {
+                        field: format!("spec.overrides[{outer}].image"),
+                        op: "image",
+                        path: IMAGE_PATH.to_owned(),
+                        reason,
+                    })?;
                 changes.push(Located {
                     outer,
                     change: Change::Image(image),
@@ -289,6 +296,29 @@ fn resolve<'a>(
         })?,
     };
     Ok(Some(Cow::Owned(value)))
+}
+
+/// The image helper for `cluster`: its registry as written, or from its label.
+fn resolve_image<'a>(
+    image: &'a ImageOverride,
+    cluster: &str,
+    labels: &Labels,
+) -> Result<Cow<'a, ImageOverride>, String> {
+    let Some(from) = &image.registry_from else {
+        return Ok(Cow::Borrowed(image));
+    };
+    if image.registry.is_some() {
+        return Err("sets registry and registryFrom; set one".into());
+    }
+    let key = &from.cluster_label;
+    let registry = labels.get(key).ok_or_else(|| {
+        format!("registryFrom.clusterLabel: MemberCluster {cluster} has no label {key}")
+    })?;
+    Ok(Cow::Owned(ImageOverride {
+        registry: Some(registry.clone()),
+        registry_from: None,
+        ..image.clone()
+    }))
 }
 
 /// Applies the changes to `doc` one by one; stops at the first failure.
@@ -826,5 +856,49 @@ mod tests {
                 .contains("\"Not A Ref:1\" is not an image reference"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_regional_registry_comes_from_the_clusters_label() {
+        let all = entries(
+            "- clusterSelector: {}\n  image: {registryFrom: {clusterLabel: flotilla.io/registry}, tag: '1.28'}",
+        );
+        let targets = Targets::of(&all);
+        let run = |l: Labels| -> Result<Value, OverrideError> {
+            let changes = targets.for_cluster("c1", &l)?;
+            let mut d = doc();
+            apply(&mut d, &changes).map(|()| d)
+        };
+        let d = run(labels(&[(
+            "flotilla.io/registry",
+            "mirror.eu.example.com:5000",
+        )]))
+        .unwrap();
+        assert_eq!(
+            d["spec"]["image"],
+            "mirror.eu.example.com:5000/library/nginx:1.28"
+        );
+        let e = run(Labels::new()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "spec.overrides[0].image (image /spec/image): registryFrom.clusterLabel: \
+             MemberCluster c1 has no label flotilla.io/registry"
+        );
+        // A label that is no registry host is named as the registry it would be.
+        let e = run(labels(&[("flotilla.io/registry", "eu")])).unwrap_err();
+        assert!(
+            e.reason
+                .starts_with("image.registry \"eu\" is not a valid registry"),
+            "{e}"
+        );
+
+        let all = entries(
+            "- clusterName: c1\n  image: {registry: a.io, registryFrom: {clusterLabel: r}}",
+        );
+        let e = Targets::of(&all)
+            .for_cluster("c1", &Labels::new())
+            .unwrap_err();
+        assert_eq!(e.field, "spec.overrides[0].image");
+        assert!(e.reason.contains("sets registry and registryFrom"), "{e}");
     }
 }

@@ -1327,6 +1327,7 @@ mod tests {
                 0 => None,
                 1 => Some(json!({"registry": "registry.eu.example.com"})),
                 2 => Some(json!({"tag": "1.28", "repository": "team/web"})),
+                3 => Some(json!({"registryFrom": {"clusterLabel": "mirror"}})),
                 _ => Some(json!({"registry": "no-dot"})),
             };
             serde_json::from_value(json!({
@@ -1344,7 +1345,7 @@ mod tests {
             let choice =
                 prop::collection::vec((prop::option::weighted(0.7, 0usize..2), any::<bool>()), 7);
             let by_label = prop::collection::vec(
-                (prop_oneof![6 => 0u8..3, 1 => Just(3u8)], 0usize..2, 0u8..4),
+                (prop_oneof![6 => 0u8..3, 1 => Just(3u8)], 0usize..2, 0u8..5),
                 0..3,
             );
             (pool, choice, by_label).prop_map(|(pool, choice, by_label)| {
@@ -1400,8 +1401,9 @@ mod tests {
         }
 
         /// Members: each Ready, NotReady briefly, or NotReady past the default grace,
-        /// sometimes cordoned, with a `region` and a `floor` label or not (a floor
-        /// that is no integer too); and the previous division in status.
+        /// sometimes cordoned, with a `region`, a `floor` and a `mirror` label or not
+        /// (a floor that is no integer, a mirror that is no registry); and the previous
+        /// division in status.
         fn members_and_status() -> impl Strategy<Value = (Members, Value)> {
             let ready = prop_oneof![6 => Just(0u8), 2 => Just(1), 2 => Just(2)];
             let region = prop_oneof![Just(None), Just(Some("eu")), Just(Some("us"))];
@@ -1411,17 +1413,23 @@ mod tests {
                 Just(Some("3")),
                 Just(Some("x"))
             ];
+            let mirror = prop_oneof![
+                Just(None),
+                Just(Some("m.eu.io:5000")),
+                Just(Some("m.us.io")),
+                Just(Some("bad"))
+            ];
             let member = (
                 (ready, prop::bool::weighted(0.15), 0i32..5, 0i32..5),
-                (region, floor),
+                (region, floor, mirror),
             );
             prop::collection::vec(member, 6).prop_map(|ms| {
                 let mut members = Members::new();
                 let mut previous = Vec::new();
                 for (name, ((ready, cordoned, replicas, ready_replicas), labels)) in SIX.iter().zip(ms) {
                     let not_ready_for = [None, Some(10), Some(1000)][usize::from(ready)];
-                    let (region, floor) = labels;
-                    let labels = [("region", region), ("floor", floor)]
+                    let (region, floor, mirror) = labels;
+                    let labels = [("region", region), ("floor", floor), ("mirror", mirror)]
                         .into_iter()
                         .filter_map(|(k, v)| Some((k.to_owned(), v?.to_owned())))
                         .collect();

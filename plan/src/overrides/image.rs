@@ -123,6 +123,7 @@ mod tests {
     ) -> ImageOverride {
         ImageOverride {
             registry: registry.map(Into::into),
+            registry_from: None,
             repository: repository.map(Into::into),
             tag: tag.map(Into::into),
             digest: digest.map(Into::into),
