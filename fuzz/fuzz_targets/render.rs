@@ -13,11 +13,16 @@ fuzz_target!(|data: &[u8]| {
     // Labels for override selectors and values from labels: a full set, a region
     // alone, none.
     let labels = |pairs: &[(&str, &str)]| {
-        let labels = pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned()));
+        let labels = pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()));
         Member::with_labels(labels.collect())
     };
     let members: Members = [
-        ("cluster1", labels(&[("region", "eu"), ("floor", "3"), ("mirror", "m.eu.io")])),
+        (
+            "cluster1",
+            labels(&[("region", "eu"), ("floor", "3"), ("mirror", "m.eu.io")]),
+        ),
         ("cluster2", labels(&[("region", "us")])),
         ("cluster3", labels(&[])),
     ]
