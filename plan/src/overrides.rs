@@ -191,11 +191,6 @@ impl<'a> Targets<'a> {
         by_label.map(|(i, _)| *i).chain(by_name.copied()).collect()
     }
 
-    /// Whether any entry selects by label (then a cluster's labels matter to its render).
-    pub fn by_label(&self) -> bool {
-        !self.selectors.is_empty()
-    }
-
     /// Every change for `cluster`, in the order they apply, values taken from its
     /// labels; the first that cannot be resolved is the cluster's error.
     pub fn for_cluster(
@@ -238,25 +233,25 @@ impl<'a> Targets<'a> {
         Ok(changes)
     }
 
-    /// Entries that target none of `placed` (names with their labels): they change
-    /// nothing, which the user is warned of.
+    /// Entries that target none of `placed` (sorted; `labels` gives each one's): they
+    /// change nothing, which the user is warned of.
     pub fn unused<'p>(
         &self,
-        placed: impl IntoIterator<Item = (&'p str, &'p Labels)> + Clone,
+        placed: &'p [String],
+        labels: impl Fn(&str) -> &'p Labels,
     ) -> Vec<String> {
         let mut warnings = Vec::new();
-        for (outer, entry) in self.all.iter().enumerate() {
-            if let Some(name) = &entry.cluster_name {
-                if entry.cluster_selector.is_none()
-                    && !placed.clone().into_iter().any(|(c, _)| c == name)
-                {
-                    warnings.push(format!(
-                        "overrides for cluster {name} are ignored: it is not placed"
-                    ));
-                }
-            } else if let Some((_, s)) = self.selectors.iter().find(|(i, _)| *i == outer)
-                && !placed.clone().into_iter().any(|(_, l)| s.matches(l))
+        for entry in self.all {
+            if let (Some(name), None) = (&entry.cluster_name, &entry.cluster_selector)
+                && placed.binary_search(name).is_err()
             {
+                warnings.push(format!(
+                    "overrides for cluster {name} are ignored: it is not placed"
+                ));
+            }
+        }
+        for (outer, selector) in &self.selectors {
+            if !placed.iter().any(|c| selector.matches(labels(c))) {
                 warnings.push(format!(
                     "spec.overrides[{outer}].clusterSelector selects no placed cluster: its overrides are ignored"
                 ));
@@ -706,7 +701,8 @@ mod tests {
             let changes = targets.for_cluster("any", &l).unwrap();
             assert_eq!(fields(&changes), ["spec.overrides[0].clusterOverrides[0]"]);
         }
-        let unused = targets.unused([("c", &labels(&EU))]);
+        let eu = labels(&EU);
+        let unused = targets.unused(&["c".to_owned()], |_| &eu);
         assert_eq!(
             unused,
             [
@@ -743,11 +739,11 @@ mod tests {
         apply(&mut d, &targets.for_cluster("e", &labels(&EU)).unwrap()).unwrap();
         assert_eq!(d["spec"]["replicas"], 2);
         assert!(targets.for_cluster("e", &Labels::new()).unwrap().is_empty());
-        assert!(
-            targets
-                .unused([("c", &labels(&EU))])
-                .iter()
-                .any(|w| w.contains("cluster d"))
+        let eu = labels(&EU);
+        let unused = targets.unused(&["c".to_owned()], |_| &eu);
+        assert_eq!(
+            unused,
+            ["overrides for cluster d are ignored: it is not placed"]
         );
     }
 

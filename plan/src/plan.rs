@@ -318,10 +318,7 @@ impl<'a> ClassKey<'a> {
 static NO_LABELS: Labels = Labels::new();
 
 fn unplaced_overrides(targets: &Targets<'_>, members: &Members, placed: &[String]) -> Vec<String> {
-    let labelled = placed
-        .iter()
-        .map(|c| (c.as_str(), members.get(c).map_or(&NO_LABELS, |m| &m.labels)));
-    targets.unused(labelled)
+    targets.unused(placed, |c| members.get(c).map_or(&NO_LABELS, |m| &m.labels))
 }
 
 #[cfg(test)]
