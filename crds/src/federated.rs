@@ -296,25 +296,108 @@ pub struct TemplateMetadata {
     pub annotations: BTreeMap<String, String>,
 }
 
+/// Changes to the template for the clusters one entry targets: the cluster `clusterName`
+/// names, or those `clusterSelector` selects (exactly one of the two). For each cluster
+/// the entries selecting it by label apply first, in the order written, then the entries
+/// naming it, in the order written: where two write the same path, the one naming the
+/// cluster wins. Within an entry, `image` applies before `clusterOverrides`.
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{"rule": "has(self.clusterName) != has(self.clusterSelector)", "message": "set exactly one of clusterName and clusterSelector"}]))]
 pub struct ClusterOverrides {
-    pub cluster_name: String,
+    /// One MemberCluster by name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_name: Option<String>,
+    /// MemberClusters by label (a standard LabelSelector; empty selects every cluster).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_selector: Option<LabelSelector>,
+    /// Rewrites parts of `spec.image`; the parts not set are kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<ImageOverride>,
     #[serde(default)]
     pub cluster_overrides: Vec<ClusterOverride>,
+}
+
+impl ClusterOverrides {
+    /// An entry for the cluster `name`, with these operations.
+    pub fn named(name: impl Into<String>, ops: Vec<ClusterOverride>) -> Self {
+        Self {
+            cluster_name: Some(name.into()),
+            cluster_overrides: ops,
+            ..Self::default()
+        }
+    }
+}
+
+/// The parts of the MyApp's image reference (`[registry/]repository[:tag][@digest]`)
+/// to replace, after Karmada's ImageOverrider. `nginx:1.27` reads as registry
+/// `docker.io`, repository `library/nginx`, tag `1.27`. A digest replaces the tag, a
+/// tag replaces the digest; both set give `repository:tag@digest`.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{"rule": "!(has(self.registry) && has(self.registryFrom))", "message": "set registry or registryFrom, not both"}]))]
+pub struct ImageOverride {
+    /// A registry host with an optional port, e.g. `registry.eu.example.com:5000`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registry: Option<String>,
+    /// The registry, from a label of the target cluster (a regional mirror); not with
+    /// `registry`. A cluster without the label cannot be rendered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registry_from: Option<ClusterLabelRef>,
+    /// The path within the registry, e.g. `team/web`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repository: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// e.g. `sha256:` and 64 hex digits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
 }
 
 /// One RFC 6902 operation on the template, with a JSON pointer relative to it
 /// (`/spec/replicas`).
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct ClusterOverride {
     #[serde(default)]
     pub op: OverrideOp,
     pub path: String,
-    /// Required by `add` and `replace`; ignored by `remove`.
+    /// `add` and `replace` need this or `valueFrom` (not both: that cluster's render
+    /// fails); ignored by `remove`. Schemaless, so no CEL rule can see it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "any_value")]
     pub value: Option<serde_json::Value>,
+    /// The value, taken from the target cluster.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_from: Option<ValueFrom>,
+}
+
+/// A label of the target cluster's MemberCluster.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterLabelRef {
+    /// e.g. `flotilla.io/registry`.
+    pub cluster_label: String,
+}
+
+/// Where an operation's value comes from in the target cluster.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ValueFrom {
+    /// A label of the cluster's MemberCluster, e.g. `topology.kubernetes.io/region`. A
+    /// cluster without it cannot be rendered (it keeps what it runs; status says why).
+    pub cluster_label: String,
+    /// How the label's value is written: String (default) or Integer (decimal, e.g.
+    /// a per-region replica floor).
+    #[serde(default, rename = "type")]
+    pub type_: ValueType,
+}
+
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum ValueType {
+    #[default]
+    String,
+    Integer,
 }
 
 #[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]

@@ -25,7 +25,8 @@ fn seed_federatedmyapp_deserializes_unchanged() {
     assert_eq!(names, ["cluster1", "cluster2"]);
     assert_eq!(app.spec.template.spec.replicas, Some(3));
     let o = &app.spec.overrides[0];
-    assert_eq!(o.cluster_name, "cluster2");
+    assert_eq!(o.cluster_name.as_deref(), Some("cluster2"));
+    assert_eq!(o.cluster_selector, None);
     assert_eq!(
         o.cluster_overrides[0].op,
         OverrideOp::Replace,

@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use flotilla_crds::{FederatedMyApp, MemberCluster, MyApp};
+use flotilla_crds::{FederatedMyApp, HASH_ANNOTATION, MemberCluster, MyApp};
+use flotilla_lab::federation::Federation;
 use flotilla_lab::{Env, await_object};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
@@ -105,6 +106,130 @@ async fn delete_and_wait(host: &Client, name: &str) -> Result<()> {
     let gone = |a: Option<&FederatedMyApp>| a.is_none();
     await_object(&api, name, TIMEOUT, &what, gone).await?;
     Ok(())
+}
+
+/// README's "Overrides by label": `examples/overrides.yaml` (an entry selecting the eu
+/// clusters with the image helper, one taking a value from each cluster's region label,
+/// one naming cluster1) lands on each member exactly as `flotilla-hub render` previews
+/// it against the host's MemberClusters: the same content hash, image, replicas and
+/// region label.
+#[tokio::test]
+async fn overrides_by_label_and_the_image_helper_land_as_render_previews() -> Result<()> {
+    let env = Env::load_ready().await?;
+    let c = clusters().await?;
+    let name = "overrides-by-label";
+    let mut app: Value = serde_yaml::from_str(include_str!("../../examples/overrides.yaml"))?;
+    app["metadata"]["name"] = json!(name);
+
+    // The apiserver refuses an entry with both targets (or neither), naming it.
+    let mut both = app.clone();
+    both["spec"]["overrides"][2]["clusterSelector"] = json!({});
+    let refused = apply(&c.host, &both)
+        .await
+        .expect_err("both targets are refused");
+    let said = refused.to_string();
+    assert!(
+        said.contains("spec.overrides[2]")
+            && said.contains("set exactly one of clusterName and clusterSelector"),
+        "{said}"
+    );
+    let mut both = app.clone();
+    both["spec"]["overrides"][0]["image"]["registryFrom"] = json!({"clusterLabel": "mirror"});
+    let refused = apply(&c.host, &both)
+        .await
+        .expect_err("registry twice is refused");
+    let said = refused.to_string();
+    assert!(
+        said.contains("spec.overrides[0].image")
+            && said.contains("set registry or registryFrom, not both"),
+        "{said}"
+    );
+
+    let registered = Api::<MemberCluster>::all(c.host.clone())
+        .list(&Default::default())
+        .await?;
+    let dir = env.dir.join("overrides-by-label");
+    std::fs::create_dir_all(&dir)?;
+    let (app_file, members_file) = (dir.join("app.yaml"), dir.join("members.yaml"));
+    std::fs::write(&app_file, serde_yaml::to_string(&app)?)?;
+    std::fs::write(&members_file, serde_yaml::to_string(&registered.items)?)?;
+    let cli = Federation::load(&env)?.hub_cli(&env)?;
+    let preview: Value = serde_json::from_str(&cli.run(&[
+        "render",
+        "-f",
+        &app_file.to_string_lossy(),
+        "--clusters",
+        &members_file.to_string_lossy(),
+        "-o",
+        "json",
+    ])?)?;
+
+    apply(&c.host, &app).await?;
+    let eu = "registry.eu.example.com/library/nginx";
+    for member in env.members() {
+        let previewed = &preview[member];
+        let hash = previewed["metadata"]["annotations"][HASH_ANNOTATION].clone();
+        let what = format!("MyApp {name} on {member} as previewed");
+        let running = await_object(
+            &myapps(&env.client(member).await?),
+            name,
+            TIMEOUT,
+            &what,
+            |a: Option<&MyApp>| {
+                a.is_some_and(|a| {
+                    a.annotations().get(HASH_ANNOTATION).map(|h| json!(h)) == Some(hash.clone())
+                })
+            },
+        )
+        .await?
+        .context("no MyApp")?;
+        let running = serde_json::to_value(&running)?;
+        assert_eq!(running["spec"], previewed["spec"], "{member}");
+        let region = flotilla_lab::federation::region_of(member);
+        assert_eq!(running["metadata"]["labels"]["region"], region, "{member}");
+        let (image, replicas) = match member {
+            "cluster1" => (format!("{eu}:1.27.3"), 4),
+            "cluster2" => ("nginx:1.27".to_owned(), 2),
+            _ => (format!("{eu}:1.27"), 3),
+        };
+        assert_eq!(running["spec"]["image"], image, "{member}");
+        assert_eq!(running["spec"]["replicas"], replicas, "{member}");
+    }
+
+    // A value from a label cluster2 lacks: cluster2 keeps what it runs and its status
+    // names the label; cluster1 takes the change.
+    app["spec"]["template"]["metadata"] = json!({"annotations": {"rev": "2"}});
+    let overrides = app["spec"]["overrides"].as_array_mut().unwrap();
+    overrides.push(json!({"clusterName": "cluster2", "clusterOverrides": [
+        {"op": "add", "path": "/metadata/annotations/zone",
+         "valueFrom": {"clusterLabel": "flotilla.example/zone"}}]}));
+    apply(&c.host, &app).await?;
+    let rev2 =
+        |a: Option<&MyApp>| a.is_some_and(|a| a.annotations().get("rev").is_some_and(|r| r == "2"));
+    await_object(&myapps(&c.c1), name, TIMEOUT, "cluster1 at rev 2", rev2).await?;
+    let said = "MemberCluster cluster2 has no label flotilla.example/zone";
+    let status = status_where(&c.host, name, "cluster2's missing label reported", |s| {
+        s["clusters"].as_array().is_some_and(|a| {
+            a.iter().any(|c| {
+                c["name"] == "cluster2" && c["message"].as_str().unwrap_or("").contains(said)
+            })
+        })
+    })
+    .await?;
+    let message = status["clusters"][1]["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        message.contains("spec.overrides[3].clusterOverrides[0]"),
+        "{message}"
+    );
+    let kept = myapps(&c.c2).get(name).await?;
+    assert!(
+        !kept.annotations().contains_key("rev"),
+        "cluster2 keeps what it ran"
+    );
+    assert_eq!(kept.spec.workload.image.as_deref(), Some("nginx:1.27"));
+    delete_and_wait(&c.host, name).await
 }
 
 #[tokio::test]

@@ -3,17 +3,32 @@
 #![no_main]
 
 use flotilla_crds::FederatedMyApp;
-use flotilla_plan::placement::Members;
+use flotilla_plan::placement::{Member, Members};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(app) = serde_json::from_slice::<FederatedMyApp>(data) else {
         return;
     };
-    let members: Members = ["cluster1", "cluster2", "cluster3"]
-        .into_iter()
-        .map(|c| (c.to_owned(), Default::default()))
-        .collect();
+    // Labels for override selectors and values from labels: a full set, a region
+    // alone, none.
+    let labels = |pairs: &[(&str, &str)]| {
+        let labels = pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()));
+        Member::with_labels(labels.collect())
+    };
+    let members: Members = [
+        (
+            "cluster1",
+            labels(&[("region", "eu"), ("floor", "3"), ("mirror", "m.eu.io")]),
+        ),
+        ("cluster2", labels(&[("region", "us")])),
+        ("cluster3", labels(&[])),
+    ]
+    .into_iter()
+    .map(|(c, m)| (c.to_owned(), m))
+    .collect();
     let admission = flotilla_plan::admission::Admission::default();
     let planned = flotilla_plan::plan(&app, &members, &admission);
     for r in planned.clusters.values().filter_map(|p| p.rendered()) {

@@ -8,6 +8,12 @@ const SEED: &str = concat!(
     "/../examples/federatedmyapp.yaml"
 );
 
+const OVERRIDES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/overrides.yaml");
+const MEMBERS: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../examples/memberclusters.yaml"
+);
+
 fn hub(args: &[&str], stdin: Option<&str>) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_flotilla-hub"))
         .args(args)
@@ -119,6 +125,83 @@ fn a_bad_override_fails_naming_object_cluster_field_and_path_but_prints_the_rest
         "the good cluster is still printed"
     );
     assert!(v.get("b").is_none());
+}
+
+/// README's "Overrides by label": what `render` prints is what the e2e `propagation`
+/// suite finds on the lab's members.
+#[test]
+fn overrides_by_label_the_image_helper_and_label_values_preview_per_cluster() {
+    let args = [
+        "render",
+        "-f",
+        OVERRIDES,
+        "--clusters",
+        MEMBERS,
+        "-o",
+        "json",
+    ];
+    let out = hub(&args, None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let got = |c: &str| {
+        let m = &v[c];
+        (
+            m["spec"]["image"].as_str().unwrap().to_owned(),
+            m["spec"]["replicas"].as_i64().unwrap(),
+            m["metadata"]["labels"]["region"]
+                .as_str()
+                .unwrap()
+                .to_owned(),
+        )
+    };
+    let eu = "registry.eu.example.com/library/nginx";
+    let want =
+        |image: &str, replicas: i64, region: &str| (image.to_owned(), replicas, region.to_owned());
+    assert_eq!(got("cluster1"), want(&format!("{eu}:1.27.3"), 4, "eu"));
+    assert_eq!(got("cluster2"), want("nginx:1.27", 2, "us"));
+    assert_eq!(got("cluster3"), want(&format!("{eu}:1.27"), 3, "eu"));
+    // The command as README and docs/overrides.md show it: YAML, one document each.
+    let out = hub(&args[..5], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert_eq!(stdout.matches("kind: MyApp").count(), 3, "{stdout}");
+    assert!(
+        stdout.contains("image: registry.eu.example.com/library/nginx:1.27.3"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn a_missing_label_fails_that_cluster_naming_object_cluster_field_and_label() {
+    let members = std::fs::read_to_string(MEMBERS).unwrap()
+        + "---\napiVersion: core.kubefed.io/v1beta1\nkind: MemberCluster\nmetadata: {name: bare}\n";
+    let members = temp_file("members-bare.yaml", &members);
+    let args = [
+        "render",
+        "-f",
+        OVERRIDES,
+        "--clusters",
+        members.to_str().unwrap(),
+        "-o",
+        "json",
+    ];
+    let out = hub(&args, None);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert_eq!(
+        stderr.trim(),
+        "error: FederatedMyApp default/web, cluster bare: spec.overrides[1].clusterOverrides[0] \
+         (add /metadata/labels/region): valueFrom.clusterLabel: MemberCluster bare has no label \
+         topology.kubernetes.io/region"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&String> = v.as_object().unwrap().keys().collect();
+    assert_eq!(
+        names,
+        ["cluster1", "cluster2", "cluster3"],
+        "the others still render"
+    );
 }
 
 #[test]

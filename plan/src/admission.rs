@@ -86,7 +86,8 @@ impl Admission {
             .spec
             .overrides
             .iter()
-            .map(|o| o.cluster_overrides.len())
+            // An image helper is one more operation on the render path.
+            .map(|o| o.cluster_overrides.len() + usize::from(o.image.is_some()))
             .sum();
         within("spec.overrides", ops, limits.override_ops, "operations")?;
         within(
@@ -227,6 +228,11 @@ mod tests {
                     .ends_with("bytes as JSON, over the limit of 262144"),
             "{refused}"
         );
+        // Image helpers count as operations.
+        let mut images = overrides(100, 10, "v");
+        images["overrides"][0]["image"] = json!({"tag": "2"});
+        let refused = admission.admit(&app("team", images)).unwrap_err();
+        assert!(refused.to_string().contains("1001 operations"), "{refused}");
     }
 
     /// Ugly inputs: whatever the shape, admission answers (never panics) and refuses

@@ -14,13 +14,11 @@ use std::sync::Arc;
 use flotilla_crds::FederatedMyApp;
 use flotilla_crds::federated::SchedulingReason;
 
-use serde_json::Value;
-
 use crate::admission::{Admission, Refusal};
 use crate::grants::{Granted, Grants, NothingGranted};
 use crate::index::Desired;
-use crate::overrides::{self, Located};
-use crate::placement::{self, Decision, Members, SelectorError};
+use crate::overrides::{Located, Targets};
+use crate::placement::{self, Decision, Labels, Members, SelectorError};
 use crate::render::{RenderError, RenderedMyApp, Template};
 use crate::schedule::{self, Assignment, Schedule, ScheduleError};
 
@@ -197,7 +195,7 @@ pub fn plan(
 ) -> AppPlan {
     let generation = app.metadata.generation;
     match place_and_schedule(app, members, admission, grants) {
-        Ok((decision, schedule)) => placed(app, decision, schedule, generation),
+        Ok((decision, schedule)) => placed(app, members, decision, schedule, generation),
         Err(e) => AppPlan {
             generation,
             placement_error: Some(e),
@@ -259,13 +257,14 @@ fn placing(assigned: &Assignment) -> Placing {
 /// render alike ([`Classes`]): most clusters have no override, so most share one render.
 fn placed(
     app: &FederatedMyApp,
+    members: &Members,
     decision: Decision,
     mut schedule: Schedule,
     generation: Option<i64>,
 ) -> AppPlan {
-    let warnings = unplaced_overrides(app, &decision.clusters);
+    let targets = Targets::of(&app.spec.overrides);
+    let warnings = unplaced_overrides(&targets, members, &decision.clusters);
     let template = Template::of(app);
-    let ops_by_cluster = overrides::by_cluster(&app.spec.overrides);
     let mut classes = Classes::default();
     let mut clusters = BTreeMap::new();
     for cluster in &decision.clusters {
@@ -280,11 +279,13 @@ fn placed(
                 continue;
             }
         }
-        let ops = ops_by_cluster
-            .get(cluster.as_str())
-            .map_or(&[][..], Vec::as_slice);
         let replicas = schedule.divided.then_some(assigned.replicas);
-        let planned = match classes.render(&template, ops, replicas) {
+        let labels = members.get(cluster).map(|m| &m.labels);
+        let ops = targets.for_cluster(cluster, labels.unwrap_or(&NO_LABELS));
+        let rendered = ops
+            .map_err(RenderError::from)
+            .and_then(|ops| classes.render(&template, &ops, replicas));
+        let planned = match rendered {
             Ok((rendered, asked)) => {
                 if !schedule.divided {
                     assigned.replicas = asked;
@@ -366,29 +367,17 @@ struct ClassKey<'a> {
 
 impl<'a> ClassKey<'a> {
     fn of(ops: &[Located<'a>], replicas: Option<u32>) -> Self {
-        let op = |l: &Located<'a>| {
-            let value = l.op.value.as_ref().map(Value::to_string);
-            (overrides::op_name(l.op.op), l.op.path.as_str(), value)
-        };
         Self {
-            ops: ops.iter().map(op).collect(),
+            ops: ops.iter().map(Located::key).collect(),
             replicas,
         }
     }
 }
 
-fn unplaced_overrides(app: &FederatedMyApp, placed: &[String]) -> Vec<String> {
-    app.spec
-        .overrides
-        .iter()
-        .filter(|o| placed.binary_search(&o.cluster_name).is_err())
-        .map(|o| {
-            format!(
-                "overrides for cluster {} are ignored: it is not placed",
-                o.cluster_name
-            )
-        })
-        .collect()
+static NO_LABELS: Labels = Labels::new();
+
+fn unplaced_overrides(targets: &Targets<'_>, members: &Members, placed: &[String]) -> Vec<String> {
+    targets.unused(placed, |c| members.get(c).map_or(&NO_LABELS, |m| &m.labels))
 }
 
 #[cfg(test)]
@@ -400,6 +389,7 @@ mod tests {
     use flotilla_crds::federated::ClusterOverrides;
     use serde_json::{Value, json};
 
+    use crate::placement::Member;
     use crate::render::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, SOURCE_ANNOTATION};
 
     const SEED: &str = include_str!("../../examples/federatedmyapp.yaml");
@@ -656,7 +646,7 @@ mod tests {
     fn invalid_template_without_overrides_blames_no_override() {
         let mut a = app(SEED);
         a.spec.template.spec.replicas = Some(42);
-        a.spec.overrides = vec![ClusterOverrides::default()];
+        a.spec.overrides = vec![ClusterOverrides::named("cluster1", vec![])];
         let r = render(&a, &members(&["cluster1", "cluster2"])).unwrap();
         let RenderError::Invalid { culprit, .. } = err(&r, "cluster1") else {
             panic!()
@@ -1050,9 +1040,114 @@ mod tests {
         assert_eq!(p.reported().count(), 0, "status speaks of no cluster");
     }
 
+    fn labelled(clusters: &[(&str, &[(&str, &str)])]) -> Members {
+        clusters
+            .iter()
+            .map(|(name, labels)| {
+                let labels = labels.iter().map(|(k, v)| ((*k).into(), (*v).into()));
+                ((*name).to_owned(), Member::with_labels(labels.collect()))
+            })
+            .collect()
+    }
+
+    fn fleet(overrides: &str) -> (FederatedMyApp, Members) {
+        let a = app(&format!(
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {{name: web, namespace: prod}}\n\
+             spec:\n  placement: {{clusterSelector: {{}}}}\n  template:\n    \
+             spec: {{replicas: 3, image: 'nginx:1.27'}}\n  overrides:\n{overrides}"
+        ));
+        let m = labelled(&[
+            ("eu1", &[("region", "eu"), ("floor", "2")]),
+            ("eu2", &[("region", "eu"), ("floor", "2")]),
+            ("us1", &[("region", "us"), ("floor", "4")]),
+            ("bare", &[]),
+        ]);
+        (a, m)
+    }
+
+    #[test]
+    fn selector_and_image_overrides_land_on_the_selected_clusters_only() {
+        let (a, m) = fleet(
+            "  - clusterSelector: {matchLabels: {region: eu}}\n    \
+               image: {registry: registry.eu.example.com}\n    \
+               clusterOverrides: [{path: /spec/replicas, value: 5}]\n\
+             \x20 - clusterName: eu2\n    image: {tag: '1.28'}\n",
+        );
+        let r = render(&a, &m).unwrap();
+        let image = |c: &str| ok(&r, c)["spec"]["image"].clone();
+        assert_eq!(image("eu1"), "registry.eu.example.com/library/nginx:1.27");
+        assert_eq!(image("eu2"), "registry.eu.example.com/library/nginx:1.28");
+        assert_eq!(image("us1"), "nginx:1.27");
+        assert_eq!(image("bare"), "nginx:1.27");
+        let want = [("bare", 3), ("eu1", 5), ("eu2", 5), ("us1", 3)];
+        assert_eq!(replicas(&r), want.map(|(c, n)| (c, json!(n))).into());
+        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+        // Unselected clusters share the plain render.
+        assert!(Arc::ptr_eq(
+            r.clusters["us1"].rendered().unwrap(),
+            r.clusters["bare"].rendered().unwrap()
+        ));
+    }
+
+    #[test]
+    fn a_missing_label_fails_that_cluster_alone_and_equal_labels_share_a_render() {
+        let (a, m) = fleet(
+            "  - clusterSelector: {}\n    clusterOverrides:\n    \
+             - {path: /spec/replicas, valueFrom: {clusterLabel: floor, type: Integer}}\n    \
+             - {op: add, path: /metadata/labels/region, valueFrom: {clusterLabel: region}}\n",
+        );
+        let r = render(&a, &m).unwrap();
+        assert_eq!(ok(&r, "eu1")["spec"]["replicas"], 2);
+        assert_eq!(ok(&r, "us1")["spec"]["replicas"], 4);
+        assert_eq!(ok(&r, "us1")["metadata"]["labels"]["region"], "us");
+        assert!(Arc::ptr_eq(
+            r.clusters["eu1"].rendered().unwrap(),
+            r.clusters["eu2"].rendered().unwrap()
+        ));
+        assert_eq!(
+            r.clusters["bare"].error().unwrap(),
+            "spec.overrides[0].clusterOverrides[0] (replace /spec/replicas): \
+             valueFrom.clusterLabel: MemberCluster bare has no label floor"
+        );
+        assert_eq!(r.desired()["bare"], Desired::Keep, "it keeps what it runs");
+        // A value from a label that breaks the schema names the operation.
+        let (a, mut m) = fleet(
+            "  - clusterSelector: {}\n    clusterOverrides: [{path: /spec/replicas, valueFrom: {clusterLabel: floor, type: Integer}}]\n",
+        );
+        m.get_mut("us1")
+            .unwrap()
+            .labels
+            .insert("floor".into(), "40".into());
+        m.remove("bare");
+        let r = render(&a, &m).unwrap();
+        assert!(is_ok(&r, "eu1"));
+        let RenderError::Invalid { culprit, .. } = err(&r, "us1") else {
+            panic!("{:?}", r.clusters["us1"])
+        };
+        assert_eq!(
+            culprit.as_deref(),
+            Some("spec.overrides[0].clusterOverrides[0]")
+        );
+    }
+
+    #[test]
+    fn an_unreadable_override_entry_keeps_every_placed_cluster_as_it_is() {
+        let (a, m) = fleet("  - {clusterName: eu1, clusterSelector: {}}\n");
+        let r = render(&a, &m).unwrap();
+        for c in ["eu1", "eu2", "us1", "bare"] {
+            assert_eq!(r.desired()[c], Desired::Keep, "{c}");
+            assert!(
+                r.clusters[c]
+                    .error()
+                    .unwrap()
+                    .starts_with("spec.overrides[0]: sets both")
+            );
+        }
+    }
+
     mod properties {
         use super::*;
-        use flotilla_crds::federated::{ClusterOverride, OverrideOp};
+        use flotilla_crds::federated::{ClusterOverride, OverrideOp, ValueFrom, ValueType};
         use proptest::prelude::*;
 
         const CLUSTERS: [&str; 3] = ["c1", "c2", "c3"];
@@ -1103,6 +1198,7 @@ mod tests {
                 op,
                 path,
                 value,
+                value_from: None,
             })
         }
 
@@ -1113,12 +1209,8 @@ mod tests {
                 Just("ghost".to_owned())
             ];
             prop::collection::vec(
-                (cluster, prop::collection::vec(op(), 0..4)).prop_map(|(cluster_name, ops)| {
-                    ClusterOverrides {
-                        cluster_name,
-                        cluster_overrides: ops,
-                    }
-                }),
+                (cluster, prop::collection::vec(op(), 0..4))
+                    .prop_map(|(cluster, ops)| ClusterOverrides::named(cluster, ops)),
                 0..4,
             )
         }
@@ -1145,7 +1237,7 @@ mod tests {
                 with.spec.overrides = list.clone();
                 let rendered = render(&with, &members).expect("overrides never fail the whole app");
                 for cluster in CLUSTERS {
-                    let named = list.iter().any(|o| o.cluster_name == cluster);
+                    let named = list.iter().any(|o| o.cluster_name.as_deref() == Some(cluster));
                     let result = &rendered.clusters[cluster];
                     if !named {
                         prop_assert_eq!(result, &plain.clusters[cluster]);
@@ -1156,7 +1248,7 @@ mod tests {
                     }
                 }
                 // Overrides for a cluster that is not placed only warn.
-                let ghost = list.iter().any(|o| o.cluster_name == "ghost");
+                let ghost = list.iter().any(|o| o.cluster_name.as_deref() == Some("ghost"));
                 prop_assert_eq!(ghost, rendered.warnings.iter().any(|w| w.contains("ghost")));
             }
 
@@ -1197,9 +1289,13 @@ mod tests {
                         continue;
                     }
                 }
-                let ops = overrides::for_cluster(&app.spec.overrides, cluster);
+                let labels = &members[cluster].labels;
+                let ops = Targets::of(&app.spec.overrides).for_cluster(cluster, labels);
                 let replicas = schedule.divided.then_some(assigned.replicas);
-                let planned = match template.render(&ops, replicas) {
+                let rendered = ops
+                    .map_err(RenderError::from)
+                    .and_then(|ops| template.render(&ops, replicas));
+                let planned = match rendered {
                     Ok(r) => {
                         let r = r.myapp;
                         if !schedule.divided {
@@ -1223,7 +1319,11 @@ mod tests {
                 placement_error: None,
                 schedule: Some(schedule),
                 clusters,
-                warnings: unplaced_overrides(app, &decision.clusters),
+                warnings: unplaced_overrides(
+                    &Targets::of(&app.spec.overrides),
+                    members,
+                    &decision.clusters,
+                ),
                 rollout: None,
             }
         }
@@ -1238,6 +1338,7 @@ mod tests {
                 op,
                 path: path.into(),
                 value,
+                value_from: None,
             };
             prop_oneof![
                 op(),
@@ -1275,19 +1376,64 @@ mod tests {
                     "/spec/image",
                     Some(json!("nginx"))
                 )),
+                Just(ClusterOverride {
+                    value_from: Some(ValueFrom {
+                        cluster_label: "floor".into(),
+                        type_: ValueType::Integer,
+                    }),
+                    ..fixed(OverrideOp::Replace, "/spec/replicas", None)
+                }),
+                Just(ClusterOverride {
+                    value_from: Some(ValueFrom {
+                        cluster_label: "region".into(),
+                        type_: ValueType::String,
+                    }),
+                    ..fixed(OverrideOp::Add, "/metadata/labels/region", None)
+                }),
             ]
+        }
+
+        /// Entries by label: a selector (by region, any region, every cluster, or
+        /// an invalid one), maybe an image helper, and operations from the pool.
+        fn selected(pool: &[Vec<ClusterOverride>], pick: (u8, usize, u8)) -> ClusterOverrides {
+            let (selector, ops, image) = pick;
+            let selector = match selector {
+                0 => json!({"matchLabels": {"region": "eu"}}),
+                1 => json!({"matchExpressions": [{"key": "region", "operator": "Exists"}]}),
+                2 => json!({}),
+                _ => json!({"matchExpressions": [{"key": "region", "operator": "In"}]}),
+            };
+            let image = match image {
+                0 => None,
+                1 => Some(json!({"registry": "registry.eu.example.com"})),
+                2 => Some(json!({"tag": "1.28", "repository": "team/web"})),
+                3 => Some(json!({"registryFrom": {"clusterLabel": "mirror"}})),
+                _ => Some(json!({"registry": "no-dot"})),
+            };
+            serde_json::from_value(json!({
+                "clusterSelector": selector, "image": image, "clusterOverrides": pool[ops],
+            }))
+            .expect("a valid entry")
         }
 
         /// Overrides drawn from a pool of two operation lists, so that several
         /// clusters often write the same operations (in entries of their own, sometimes
-        /// split over two entries), plus some for a cluster that is not placed.
+        /// split over two entries), plus some for a cluster that is not placed, and up
+        /// to two entries by label ([`selected`]) before them.
         fn pooled_overrides() -> impl Strategy<Value = Vec<ClusterOverrides>> {
             let pool = prop::collection::vec(prop::collection::vec(class_op(), 0..4), 2);
             let choice =
                 prop::collection::vec((prop::option::weighted(0.7, 0usize..2), any::<bool>()), 7);
-            (pool, choice).prop_map(|(pool, choice)| {
+            let by_label = prop::collection::vec(
+                (prop_oneof![6 => 0u8..3, 1 => Just(3u8)], 0usize..2, 0u8..5),
+                0..3,
+            );
+            (pool, choice, by_label).prop_map(|(pool, choice, by_label)| {
                 let names = SIX.iter().copied().chain(["ghost"]);
-                let mut all = Vec::new();
+                let mut all: Vec<ClusterOverrides> = by_label
+                    .into_iter()
+                    .map(|pick| selected(&pool, pick))
+                    .collect();
                 for (name, (pick, split)) in names.zip(choice) {
                     let Some(ops) = pick.map(|i| pool[i].clone()) else {
                         continue;
@@ -1295,10 +1441,7 @@ mod tests {
                     let at = if split { ops.len() / 2 } else { ops.len() };
                     for part in [&ops[..at], &ops[at..]] {
                         if !part.is_empty() || !split {
-                            all.push(ClusterOverrides {
-                                cluster_name: name.to_owned(),
-                                cluster_overrides: part.to_vec(),
-                            });
+                            all.push(ClusterOverrides::named(name, part.to_vec()));
                         }
                     }
                 }
@@ -1338,16 +1481,40 @@ mod tests {
         }
 
         /// Members: each Ready, NotReady briefly, or NotReady past the default grace,
-        /// sometimes cordoned; and the previous division in status.
+        /// sometimes cordoned, with a `region`, a `floor` and a `mirror` label or not
+        /// (a floor that is no integer, a mirror that is no registry); and the previous
+        /// division in status.
         fn members_and_status() -> impl Strategy<Value = (Members, Value)> {
             let ready = prop_oneof![6 => Just(0u8), 2 => Just(1), 2 => Just(2)];
-            let member = (ready, prop::bool::weighted(0.15), 0i32..5, 0i32..5);
+            let region = prop_oneof![Just(None), Just(Some("eu")), Just(Some("us"))];
+            let floor = prop_oneof![
+                Just(None),
+                Just(Some("1")),
+                Just(Some("3")),
+                Just(Some("x"))
+            ];
+            let mirror = prop_oneof![
+                Just(None),
+                Just(Some("m.eu.io:5000")),
+                Just(Some("m.us.io")),
+                Just(Some("bad"))
+            ];
+            let member = (
+                (ready, prop::bool::weighted(0.15), 0i32..5, 0i32..5),
+                (region, floor, mirror),
+            );
             prop::collection::vec(member, 6).prop_map(|ms| {
                 let mut members = Members::new();
                 let mut previous = Vec::new();
-                for (name, (ready, cordoned, replicas, ready_replicas)) in SIX.iter().zip(ms) {
+                for (name, ((ready, cordoned, replicas, ready_replicas), labels)) in SIX.iter().zip(ms) {
                     let not_ready_for = [None, Some(10), Some(1000)][usize::from(ready)];
+                    let (region, floor, mirror) = labels;
+                    let labels = [("region", region), ("floor", floor), ("mirror", mirror)]
+                        .into_iter()
+                        .filter_map(|(k, v)| Some((k.to_owned(), v?.to_owned())))
+                        .collect();
                     let member = placement::Member {
+                        labels,
                         unschedulable: cordoned,
                         not_ready_for: not_ready_for.map(std::time::Duration::from_secs),
                         ..Default::default()

@@ -229,7 +229,7 @@ fn culprit(ops: &[Located<'_>], path: &Pointer) -> Option<String> {
     ops.iter()
         .rev()
         .find(|o| {
-            Pointer::parse(&o.op.path).is_ok_and(|op| path.starts_with(op) || op.starts_with(path))
+            Pointer::parse(o.path()).is_ok_and(|op| path.starts_with(op) || op.starts_with(path))
         })
         .map(Located::field)
 }
