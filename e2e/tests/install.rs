@@ -6,6 +6,7 @@
 //! It uses the tools `deploy/verify.sh` caches (helm, the Prometheus Operator CRDs for
 //! the monitoring overlays): run that first, as `.ci/run` does.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -15,6 +16,7 @@ use flotilla_lab::federation::Federation;
 use flotilla_lab::support::workspace_root;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Api;
+use serde::Deserialize;
 
 /// Both tests write to the host (its MyApp CRD, `flotilla-system`): one at a time.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -396,5 +398,131 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
     result?;
     removed?;
     restored?;
+    Ok(())
+}
+
+/// A right as `kubectl auth can-i --list` shows it: resource, resource names, verbs.
+type Right = (String, String, BTreeSet<String>);
+
+/// Rights with the same resource and names as one, their verbs together (can-i merges
+/// the rules of several roles so).
+fn merged(rights: impl IntoIterator<Item = Right>) -> BTreeSet<Right> {
+    let mut by: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
+    for (resource, names, verbs) in rights {
+        by.entry((resource, names)).or_default().extend(verbs);
+    }
+    by.into_iter().map(|((r, n), v)| (r, n, v)).collect()
+}
+
+/// The rights docs/security.md's RBAC table under `heading` documents in `namespace`
+/// (rows of scope `cluster`, and of that namespace).
+fn documented(heading: &str, namespace: &str) -> Result<BTreeSet<Right>> {
+    let docs = std::fs::read_to_string(workspace_root().join("docs/security.md"))?;
+    let section = docs
+        .split("\n### ")
+        .find(|s| s.starts_with(heading))
+        .with_context(|| format!("docs/security.md has no section {heading:?}"))?;
+    let rows = section
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| Resource") && !l.starts_with("|---"))
+        .map(|l| l.split('|').map(str::trim).collect::<Vec<_>>())
+        .filter(|cells| cells[4] == "cluster" || cells[4] == namespace)
+        .map(|cells| {
+            let verbs = cells[3].split_whitespace().map(str::to_owned).collect();
+            (cells[1].to_owned(), cells[2].to_owned(), verbs)
+        });
+    Ok(merged(rows))
+}
+
+/// What `account` of flotilla-system may do in `namespace`, as the apiserver answers
+/// `kubectl auth can-i --list` (by impersonation), without what every authenticated
+/// user may (the self-reviews, the discovery URLs).
+fn granted(kubeconfig: &Path, account: &str, namespace: &str) -> Result<BTreeSet<Right>> {
+    let who = format!("--as=system:serviceaccount:flotilla-system:{account}");
+    let out = run(
+        &kubectl(),
+        &["auth", "can-i", "--list", &who, "-n", namespace],
+        kubeconfig,
+        None,
+    )?;
+    let list = |s: &str| -> String { s.trim_matches(['[', ']']).to_owned() };
+    let rows = out.lines().skip(1).filter_map(|line| {
+        let resource = line
+            .split_whitespace()
+            .next()
+            .filter(|_| !line.starts_with(' '))?;
+        if resource.starts_with("selfsubject") {
+            return None;
+        }
+        // Resources, [non-resource URLs], [names], [verbs].
+        let bracketed: Vec<&str> = line.match_indices('[').map(|(i, _)| &line[i..]).collect();
+        let field = |i: usize| {
+            bracketed
+                .get(i)
+                .map(|s| list(&s[..s.find(']').map_or(s.len(), |e| e + 1)]))
+        };
+        let names = field(1)?;
+        let verbs = field(2)?.split_whitespace().map(str::to_owned).collect();
+        Some((resource.to_owned(), names, verbs))
+    });
+    Ok(merged(rows))
+}
+
+/// The hub's and the agent's ServiceAccounts may do exactly what docs/security.md's RBAC
+/// tables say, in their own namespace and in another one: a right added to a manifest
+/// without its row (or a row without its right) fails here.
+#[tokio::test]
+async fn service_accounts_hold_exactly_the_documented_rights() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let env = Env::load_ready().await?;
+    let host = env.kubeconfig(env.host())?.to_path_buf();
+    let member = env.kubeconfig(env.members()[0])?.to_path_buf();
+    // The member install's identity: its Namespace, ServiceAccount and roles.
+    let built = run(
+        &kubectl(),
+        &["kustomize", "deploy/overlays/member"],
+        &member,
+        None,
+    )?;
+    let mut rbac = String::new();
+    for doc in serde_yaml::Deserializer::from_str(&built) {
+        let object = serde_json::Value::deserialize(doc)?;
+        let kind = object["kind"].as_str().unwrap_or_default();
+        if [
+            "Namespace",
+            "ServiceAccount",
+            "Role",
+            "RoleBinding",
+            "ClusterRole",
+            "ClusterRoleBinding",
+        ]
+        .contains(&kind)
+        {
+            rbac.push_str("---\n");
+            rbac.push_str(&serde_yaml::to_string(&object)?);
+        }
+    }
+    run(
+        &kubectl(),
+        &["apply", "-f", "-"],
+        &member,
+        Some(rbac.as_bytes()),
+    )?;
+
+    for (heading, kubeconfig, account) in [
+        ("The hub ", &host, "flotilla-hub"),
+        ("The agent ", &member, "flotilla-agent"),
+    ] {
+        for namespace in ["flotilla-system", "default"] {
+            let want = documented(heading, namespace)?;
+            let got = granted(kubeconfig, account, namespace)?;
+            let missing: Vec<_> = want.difference(&got).collect();
+            let undocumented: Vec<_> = got.difference(&want).collect();
+            anyhow::ensure!(
+                missing.is_empty() && undocumented.is_empty(),
+                "{account} in {namespace}: documented but not granted {missing:?}; granted but not documented {undocumented:?}"
+            );
+        }
+    }
     Ok(())
 }
