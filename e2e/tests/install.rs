@@ -164,6 +164,8 @@ async fn manifests_pass_a_server_side_dry_run() -> Result<()> {
             "agent.mode=operator",
             "--set",
             "monitoring.enabled=true",
+            "--set",
+            "hub.clusterInventory.installCRDs=true",
         ],
         &host,
         None,
