@@ -554,6 +554,60 @@ async fn a_mass_collection_waits_for_a_confirmation() -> Result<()> {
     .await
 }
 
+/// Marks the test's first half of apps `kubefed.io/orphan`; returns their names.
+async fn orphaned_half(ctx: &Ctx) -> Result<Vec<String>> {
+    let released: Vec<String> = (0..APPS / 2).map(|i| ctx.name(i)).collect();
+    let orphan = json!({"metadata": {"annotations": {"kubefed.io/orphan": "true"}}});
+    for name in &released {
+        ctx.fedapps()
+            .patch(name, &PatchParams::default(), &Patch::Merge(&orphan))
+            .await?;
+    }
+    Ok(released)
+}
+
+/// Waits until the FederatedMyApps `names` are gone from the host.
+async fn fedapps_gone(ctx: &Ctx, names: &[String]) -> Result<()> {
+    let api = ctx.fedapps();
+    wait_for(CONVERGE, "the released FederatedMyApps gone", || async {
+        for name in names {
+            if api.get_opt(name).await?.is_some() {
+                return Ok(None);
+            }
+        }
+        Ok(Some(()))
+    })
+    .await
+}
+
+/// The released MyApps `names` that are not as a release leaves them in both members
+/// (there, no longer managed), in words; then removes them all by hand (released
+/// copies are no longer Flotilla's).
+async fn check_released_and_remove(ctx: &Ctx, names: &[String]) -> Result<Vec<String>> {
+    let mut unreleased = Vec::new();
+    for member in ["cluster1", "cluster2"] {
+        let myapps: Api<flotilla_crds::MyApp> =
+            Api::namespaced(ctx.env.client(member).await?, "default");
+        for name in names {
+            match myapps.get_opt(name).await? {
+                None => unreleased.push(format!("{member}: {name} deleted")),
+                Some(a) if a.labels().contains_key(flotilla_crds::MANAGED_BY_LABEL) => {
+                    unreleased.push(format!("{member}: {name} still managed"))
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    for member in ["cluster1", "cluster2"] {
+        let myapps: Api<flotilla_crds::MyApp> =
+            Api::namespaced(ctx.env.client(member).await?, "default");
+        for name in names {
+            let _ = myapps.delete(name, &DeleteParams::default()).await;
+        }
+    }
+    Ok(unreleased)
+}
+
 /// Releasing with `kubefed.io/orphan` while the hub is SIGKILLed mid-way: every released
 /// MyApp stays in both members (no longer managed), nothing is deleted, the
 /// FederatedMyApps go once the new hub has heard every release.
@@ -561,13 +615,8 @@ async fn a_mass_collection_waits_for_a_confirmation() -> Result<()> {
 async fn hub_sigkilled_while_an_orphaning_delete_is_in_flight() -> Result<()> {
     run("fault-orphan-kill", |ctx| async move {
         let r = async {
-            let released: Vec<String> = (0..APPS / 2).map(|i| ctx.name(i)).collect();
+            let released = orphaned_half(&ctx).await?;
             let api = ctx.fedapps();
-            let orphan = json!({"metadata": {"annotations": {"kubefed.io/orphan": "true"}}});
-            for name in &released {
-                api.patch(name, &PatchParams::default(), &Patch::Merge(&orphan))
-                    .await?;
-            }
             let log = DeletionLog::start(&ctx.env).await?;
             let start = Instant::now();
             for (i, name) in released.iter().enumerate() {
@@ -577,38 +626,10 @@ async fn hub_sigkilled_while_an_orphaning_delete_is_in_flight() -> Result<()> {
                 }
             }
             faults::start(&ctx.env, &ctx.f, HUB).await?;
-            wait_for(CONVERGE, "the released FederatedMyApps gone", || async {
-                for name in &released {
-                    if api.get_opt(name).await?.is_some() {
-                        return Ok(None);
-                    }
-                }
-                Ok(Some(()))
-            })
-            .await?;
-            for member in ["cluster1", "cluster2"] {
-                let myapps: Api<flotilla_crds::MyApp> =
-                    Api::namespaced(ctx.env.client(member).await?, "default");
-                for name in &released {
-                    let kept = myapps.get_opt(name).await?;
-                    ensure!(
-                        kept.as_ref().is_some_and(|a| !a
-                            .labels()
-                            .contains_key(flotilla_crds::MANAGED_BY_LABEL)),
-                        "{member}: {name} was not released (kept: {})",
-                        kept.is_some()
-                    );
-                }
-            }
+            fedapps_gone(&ctx, &released).await?;
             let verdict = verdict(&ctx, "hub-sigkill-during-orphaning-delete", &log, start).await;
-            // Released copies are no longer Flotilla's: remove them by hand.
-            for member in ["cluster1", "cluster2"] {
-                let myapps: Api<flotilla_crds::MyApp> =
-                    Api::namespaced(ctx.env.client(member).await?, "default");
-                for name in &released {
-                    let _ = myapps.delete(name, &DeleteParams::default()).await;
-                }
-            }
+            let unreleased = check_released_and_remove(&ctx, &released).await?;
+            ensure!(unreleased.is_empty(), "not released: {unreleased:?}");
             verdict
         }
         .await;
@@ -626,13 +647,8 @@ async fn hub_sigkilled_while_an_orphaning_delete_is_in_flight() -> Result<()> {
 async fn an_orphaning_delete_across_a_graceful_hub_restart_releases_everywhere() -> Result<()> {
     run("fault-orphan-term", |ctx| async move {
         let r = async {
-            let released: Vec<String> = (0..APPS / 2).map(|i| ctx.name(i)).collect();
+            let released = orphaned_half(&ctx).await?;
             let api = ctx.fedapps();
-            let orphan = json!({"metadata": {"annotations": {"kubefed.io/orphan": "true"}}});
-            for name in &released {
-                api.patch(name, &PatchParams::default(), &Patch::Merge(&orphan))
-                    .await?;
-            }
             let log = DeletionLog::start(&ctx.env).await?;
             let start = Instant::now();
             let (before, after) = released.split_at(released.len() / 2);
@@ -643,34 +659,12 @@ async fn an_orphaning_delete_across_a_graceful_hub_restart_releases_everywhere()
             for name in after {
                 api.delete(name, &DeleteParams::default()).await?;
             }
-            let gone = wait_for(CONVERGE, "the released FederatedMyApps gone", || async {
-                for name in &released {
-                    if api.get_opt(name).await?.is_some() {
-                        return Ok(None);
-                    }
-                }
-                Ok(Some(()))
-            })
-            .await;
+            let gone = fedapps_gone(&ctx, &released).await;
             if !old.wait_gone(Duration::from_secs(10)) {
                 let _ = old.stop(Duration::from_secs(5));
             }
             process::forget(&ctx.env.dir, &old.name)?;
             gone?;
-            let mut unreleased = Vec::new();
-            for member in ["cluster1", "cluster2"] {
-                let myapps: Api<flotilla_crds::MyApp> =
-                    Api::namespaced(ctx.env.client(member).await?, "default");
-                for name in &released {
-                    match myapps.get_opt(name).await? {
-                        None => unreleased.push(format!("{member}: {name} deleted")),
-                        Some(a) if a.labels().contains_key(flotilla_crds::MANAGED_BY_LABEL) => {
-                            unreleased.push(format!("{member}: {name} still managed"))
-                        }
-                        Some(_) => {}
-                    }
-                }
-            }
             let verdict = verdict(
                 &ctx,
                 "orphaning-delete-across-graceful-restart",
@@ -678,13 +672,7 @@ async fn an_orphaning_delete_across_a_graceful_hub_restart_releases_everywhere()
                 start,
             )
             .await;
-            for member in ["cluster1", "cluster2"] {
-                let myapps: Api<flotilla_crds::MyApp> =
-                    Api::namespaced(ctx.env.client(member).await?, "default");
-                for name in &released {
-                    let _ = myapps.delete(name, &DeleteParams::default()).await;
-                }
-            }
+            let unreleased = check_released_and_remove(&ctx, &released).await?;
             ensure!(unreleased.is_empty(), "not released: {unreleased:?}");
             verdict
         }
