@@ -29,7 +29,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -447,7 +447,8 @@ where
     }
 }
 
-/// A cache of `api`'s objects: the store, when it has listed, and the watch to drive.
+/// A cache of `api`'s objects (trimmed as every cache of the hub): the store, when it
+/// has listed, and the watch to drive.
 fn cache<K>(
     api: Api<K>,
     config: watcher::Config,
@@ -462,9 +463,7 @@ where
         + 'static,
 {
     let (store, writer) = reflector::store();
-    let events = watcher(api, config);
-    let (events, listed) =
-        flotilla_common::listed::track(reflector::reflector(writer, events).default_backoff());
+    let (events, listed) = crate::run::watch(api, config, writer);
     (store, listed, events.for_each(|_| async {}))
 }
 

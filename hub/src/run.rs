@@ -119,8 +119,7 @@ pub fn admission(tenancy: &TenancyArgs) -> Admission {
     }
 }
 
-/// Every object of kind `K` on the host, into `writer`'s store, retried with backoff;
-/// with when it has listed.
+/// Every object of kind `K` on the host, into `writer`'s store ([`watch`]).
 fn watch_all<K>(
     client: &Client,
     writer: reflector::store::Writer<K>,
@@ -137,7 +136,29 @@ where
         + Sync
         + 'static,
 {
-    let events = watcher(Api::<K>::all(client.clone()), watcher::Config::default());
+    watch(Api::all(client.clone()), watcher::Config::default(), writer)
+}
+
+/// The objects of `api` that `config` selects, trimmed ([`trim`]) into `writer`'s
+/// store, retried with backoff; with when it has listed. Every cache of the hub.
+pub(crate) fn watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    writer: reflector::store::Writer<K>,
+) -> (
+    impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    listed::Listed,
+)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let events = watcher(api, config);
     listed::track(reflector(writer, events.modify(trim)).default_backoff())
 }
 
