@@ -401,6 +401,9 @@ async fn a_myapp_changed_by_hand_in_a_member_is_put_back() -> Result<()> {
         let series = "flotilla_hub_drift_repairs_total{cluster=\"cluster1\"}";
         anyhow::Ok(flotilla_lab::support::sample(&metrics, series))
     };
+    // A run that failed half-way leaves its app drifted: start from none.
+    delete_and_wait(&c.host, "drift").await?;
+    gone_from(&c.c1, "drift").await?;
     let before = repairs().await?;
     let both = json!({"clusters": [{"name": "cluster1"}, {"name": "cluster2"}]});
     let spec = json!({"replicas": 1, "image": "nginx:1.27"});

@@ -30,7 +30,8 @@ fuzz_target!(|data: &[u8]| {
     .map(|(c, m)| (c.to_owned(), m))
     .collect();
     let admission = flotilla_plan::admission::Admission::default();
-    let planned = flotilla_plan::plan(&app, &members, &admission);
+    let grants = flotilla_plan::grants::Grants::default();
+    let planned = flotilla_plan::plan(&app, &members, &admission, &grants);
     for r in planned.clusters.values().filter_map(|p| p.rendered()) {
         // The bytes pushed to agents are JSON.
         let _ = r.to_value();
