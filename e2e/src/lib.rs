@@ -8,7 +8,8 @@
 //! - [`faults`]: kill, replace, stop and start components; an agent behind a [`proxy`]
 //!   (a link that can be cut),
 //! - [`testcmd`]: `flotilla-e2e test`, the unit tests and this suite in one command,
-//! - [`agent_binary`]: the agent for tests that run one of their own,
+//! - [`agent_binary`]: the agent for tests that run one of their own; [`hub_cli`]: the
+//!   hub's admin CLI in either mode,
 //! - [`three_members`]: the clients of a suite that needs three members.
 
 pub mod converge;
@@ -26,6 +27,27 @@ pub fn agent_binary() -> &'static std::path::Path {
             .expect("building flotilla-agent")
             .remove("flotilla-agent")
             .expect("cargo names the flotilla-agent executable")
+    })
+}
+
+/// The `flotilla-hub` binary, built once per test run: its admin CLI works in either
+/// mode of the lab (in real-node mode the running hub is a Pod, and `Federation` has no
+/// launch record of it).
+pub fn hub_binary() -> &'static std::path::Path {
+    static BIN: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        flotilla_lab::support::cargo_binaries(&[("flotilla-hub", "flotilla-hub")])
+            .expect("building flotilla-hub")
+            .remove("flotilla-hub")
+            .expect("cargo names the flotilla-hub executable")
+    })
+}
+
+/// The hub's admin CLI against the host, as the host's administrator.
+pub fn hub_cli(env: &flotilla_lab::Env) -> anyhow::Result<flotilla_lab::hubcli::HubCli> {
+    Ok(flotilla_lab::hubcli::HubCli {
+        program: hub_binary().to_path_buf(),
+        kubeconfig: env.kubeconfig(env.host())?.to_path_buf(),
     })
 }
 
