@@ -5,7 +5,8 @@
 #     clusters' version and the CRD schemas (Flotilla's and the Prometheus Operator's);
 #   - helm lint --strict, and the chart refusing incomplete values;
 #   - promtool check rules and promtool test rules for every alert;
-#   - the copies that must agree: PrometheusRule objects vs the chart's rules file;
+#   - the copies that must agree: PrometheusRule objects vs the chart's rules file, the
+#     chart's admission policies and flotilla-fleet-admin role vs deploy/hub's;
 #   - the OLM bundles under deploy/olm: kubeconform (with OLM's CRD schemas), their sample
 #     MyApps against the MyApp CRD, operator-framework/api's bundle validators; and, when
 #     lab/scripts/olm-prereqs.sh has built opm from its source, `opm validate` on the
@@ -127,6 +128,40 @@ for name in $(printf '%s\n' "${!VALUES[@]}" | sort); do
   "$HELM" template flotilla "$CHART" --namespace flotilla-system ${VALUES[$name]} >"$WORK/out.yaml"
   validate "helm $name" <"$WORK/out.yaml"
 done
+step "the chart's admission policies and fleet-admin role are deploy/hub's"
+# Rendered as release "flotilla" in namespace "team-hub": the names carry the release's
+# prefix and the hub's username that namespace; everything else must be the same.
+"$HELM" template flotilla "$CHART" --namespace team-hub >"$WORK/chart.yaml"
+kustomize deploy/hub >"$WORK/hub.yaml"
+python3 - "$WORK/chart.yaml" "$WORK/hub.yaml" <<'EOF'
+import sys, yaml
+KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "ClusterRole")
+def walk(v, rename):
+    if isinstance(v, dict):
+        return {k: walk(x, rename) for k, x in v.items()}
+    if isinstance(v, list):
+        return [walk(x, rename) for x in v]
+    return rename(v) if isinstance(v, str) else v
+def picked(path, rename):
+    out = {}
+    for d in yaml.safe_load_all(open(path)):
+        if not d or d["kind"] not in KINDS:
+            continue
+        d["metadata"].pop("labels", None)
+        d = walk(d, rename)
+        if d["kind"] != "ClusterRole" or d["metadata"]["name"] == "flotilla-fleet-admin":
+            out[(d["kind"], d["metadata"]["name"])] = d
+    return out
+chart = picked(sys.argv[1], lambda t: t.replace("flotilla-flotilla-", "flotilla-")
+               .replace("system:serviceaccount:team-hub:", "system:serviceaccount:flotilla-system:"))
+hub = picked(sys.argv[2], lambda t: t)
+if sorted(chart) != sorted(hub):
+    sys.exit(f"the chart has {sorted(chart)}, deploy/hub {sorted(hub)}")
+for key in sorted(hub):
+    if chart[key] != hub[key]:
+        sys.exit(f"{key[0]} {key[1]}: the chart's differs from deploy/hub's")
+    print(f"  {key[0]} {key[1]}: the same")
+EOF
 step "helm template refuses incomplete values"
 for bad in "--set agent.enabled=true --set agent.cluster=" "--set agent.enabled=true --set agent.cluster=x --set agent.mode=both" \
   "--set agent.enabled=true --set agent.cluster=x --set agent.hub.address=h:1 --set agent.hub.token=t"; do

@@ -195,12 +195,18 @@ pub struct WebhookArgs {
     /// Address of the HTTPS conversion webhook.
     #[arg(long, default_value = "0.0.0.0:9443")]
     pub webhook_addr: SocketAddr,
-    /// PEM certificate to serve (with --webhook-key); without it the agent generates a CA
-    /// and a certificate at every start.
+    /// PEM certificate to serve (with --webhook-key), e.g. from a cert-manager Secret;
+    /// without it the agent issues its own from the CA in --webhook-ca-secret.
     #[arg(long, requires = "webhook_key")]
     pub webhook_cert: Option<PathBuf>,
     #[arg(long, requires = "webhook_cert")]
     pub webhook_key: Option<PathBuf>,
+    /// Secret (NAMESPACE/NAME) holding the webhook's CA, shared by the agent's replicas:
+    /// created by the first, read by the others and at every restart, so the CRD's
+    /// caBundle holds for all of them (needs create on Secrets and get on that one).
+    /// Empty: a new CA at every start (one replica only).
+    #[arg(long, default_value = "flotilla-system/flotilla-agent-webhook-ca", value_parser = parse_secret_ref)]
+    pub webhook_ca_secret: SecretRef,
     /// Point the MyApp CRD at this https URL, e.g. https://127.0.0.1:9443/convert.
     #[arg(long, value_parser = Endpoint::parse_url, conflicts_with = "webhook_service")]
     pub webhook_url: Option<Endpoint>,
@@ -214,6 +220,7 @@ impl WebhookArgs {
         WebhookConfig {
             addr: self.webhook_addr,
             cert_files: self.webhook_cert.clone().zip(self.webhook_key.clone()),
+            ca_secret: self.webhook_ca_secret.0.clone(),
             endpoint: self
                 .webhook_url
                 .clone()
@@ -234,6 +241,22 @@ impl OperatorArgs {
             concurrency: self.concurrency,
             instance: self.instance.clone(),
         }
+    }
+}
+
+/// `NAMESPACE/NAME` of a Secret, or none (empty).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SecretRef(pub Option<(String, String)>);
+
+fn parse_secret_ref(s: &str) -> Result<SecretRef, String> {
+    if s.is_empty() {
+        return Ok(SecretRef(None));
+    }
+    match s.split_once('/') {
+        Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+            Ok(SecretRef(Some((ns.into(), name.into()))))
+        }
+        _ => Err("expected NAMESPACE/NAME, or empty".into()),
     }
 }
 
@@ -339,6 +362,24 @@ mod tests {
         assert!(
             Cli::try_parse_from(["flotilla-agent", "operator", "--webhook-cert", "c.pem"]).is_err()
         );
+    }
+
+    #[test]
+    fn the_webhook_ca_is_shared_through_a_secret_unless_told_otherwise() {
+        let ca = |args: &[&str]| parse(args).webhook.webhook_config().ca_secret;
+        assert_eq!(
+            ca(&[]),
+            Some(("flotilla-system".into(), "flotilla-agent-webhook-ca".into()))
+        );
+        assert_eq!(
+            ca(&["--webhook-ca-secret", "ns/ca"]),
+            Some(("ns".into(), "ca".into()))
+        );
+        assert_eq!(ca(&["--webhook-ca-secret="]), None);
+        for bad in ["ca", "/ca", "ns/", "ns/a/b"] {
+            let args = ["flotilla-agent", "operator", "--webhook-ca-secret", bad];
+            assert!(Cli::try_parse_from(args).is_err(), "{bad}");
+        }
     }
 
     /// The tenancy flags reach the agent's namespace policy: the forbidden namespaces,

@@ -30,9 +30,11 @@ impl Breaker {
     }
 
     /// Whether collecting `orphans` MyApps may go ahead: at most the share, or exactly
-    /// what a user confirmed (or fewer).
+    /// what a user confirmed (a confirmation of 7 is no approval of 6 or of 4,294,967,295:
+    /// a count that changed is held back and shown again).
     pub fn allows(&self, orphans: usize, confirmed: u32) -> bool {
-        orphans as f64 <= self.max_share * self.listed.len() as f64 || orphans <= confirmed as usize
+        orphans as f64 <= self.max_share * self.listed.len() as f64
+            || (confirmed > 0 && orphans == confirmed as usize)
     }
 
     /// The MyApps in `managed` (the cache) that Hello listed and the hub neither wants
@@ -119,6 +121,11 @@ mod tests {
         assert!(!b.allows(6, 0));
         assert!(b.allows(6, 6), "a user confirmed exactly this many");
         assert!(!b.allows(7, 6));
+        assert!(
+            !b.allows(6, 7),
+            "a confirmation is of one count, not of fewer"
+        );
+        assert!(!b.allows(6, u32::MAX), "no blanket approval");
         assert!(Breaker::new(keys(0), 0.5).allows(0, 0));
     }
 

@@ -18,6 +18,7 @@ pub mod cli;
 pub mod collect;
 pub mod drift;
 pub mod handback;
+pub mod identity;
 pub mod operator;
 pub mod queue;
 pub mod replicas;

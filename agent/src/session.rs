@@ -19,7 +19,6 @@ use flotilla_proto::WireKey;
 use flotilla_proto::client::{self, Dial, DialError, HubClient};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Namespace;
 use kube::api::ListParams;
 use kube::{Api, Client, ResourceExt};
 use tokio::sync::mpsc;
@@ -32,7 +31,7 @@ use crate::collect::{Breaker, Collector};
 use crate::sync::{self, Applier};
 use crate::tenancy::Guard;
 use crate::token::{self, TokenError, TokenStore};
-use crate::{capacity, report};
+use crate::{capacity, identity, report};
 use secrecy::SecretString;
 
 #[derive(Clone)]
@@ -111,6 +110,8 @@ pub enum SessionError {
     List(kube::Error),
     #[error("the stream broke: {0}")]
     Stream(tonic::Status),
+    #[error("the cluster's ID for Hello: {0}")]
+    Identity(#[from] identity::IdentityError),
 }
 
 /// Reconnect delays: 200 ms doubling to 30 s, with jitter so that agents restarted
@@ -303,21 +304,11 @@ async fn hello(
                 },
             })
             .collect(),
-        cluster_uid: cluster_uid(client).await,
+        cluster_uid: identity::cluster_uid(client).await,
+        cluster_id: identity::cluster_id(client).await?.unwrap_or_default(),
         renews_token: true,
     };
     Ok((hello, listed.iter().map(key_of).collect()))
-}
-
-/// The UID of `kube-system`: the identity of this physical cluster.
-async fn cluster_uid(client: &Client) -> String {
-    Api::<Namespace>::all(client.clone())
-        .get_opt("kube-system")
-        .await
-        .ok()
-        .flatten()
-        .and_then(|ns| ns.uid())
-        .unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -157,7 +157,8 @@ pub fn fed_app(a: usize, size: &Size) -> FederatedMyApp {
     let clusters: Vec<String> = size.placement(a).map(cluster_name).collect();
     serde_json::from_value(json!({
         "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
-        "metadata": {"name": app_name(a), "namespace": "default", "generation": 1},
+        "metadata": {"name": app_name(a), "namespace": "default", "generation": 1,
+                     "finalizers": [flotilla_crds::federated::HUB_FINALIZER]},
         "spec": {
             "placement": {"clusters": clusters.iter().map(|c| json!({"name": c})).collect::<Vec<_>>()},
             "template": {"spec": {"replicas": 2, "image": "nginx:1.27", "config": {"a.conf": format!("id={a}")}}},
@@ -548,6 +549,7 @@ async fn agent(
         kubernetes_version: "none (load generator)".into(),
         managed,
         cluster_uid: String::new(),
+        cluster_id: String::new(),
         // Simulated agents store no renewed token.
         renews_token: false,
     };

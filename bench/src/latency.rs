@@ -9,6 +9,7 @@
 //! P99 difference: yes when all of it is at or below 10 ms, no when all of it is above,
 //! and "too noisy to tell" when it straddles 10 ms.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -114,7 +115,7 @@ pub fn summarize(floor: &[f64], ours: &[f64]) -> Summary {
     }
 }
 
-pub async fn latency(env: &Env, samples: usize) -> Result<Report> {
+pub async fn latency(env: &Env, samples: usize, svg: Option<&Path>) -> Result<Report> {
     anyhow::ensure!(samples > 0, "--samples must be positive");
     let member = super::first_member(env)?;
     let host = env.client(env.host()).await?;
@@ -183,6 +184,19 @@ pub async fn latency(env: &Env, samples: usize) -> Result<Report> {
     }
     let _ = myapps.delete(FLOOR, &DeleteParams::default()).await;
 
+    if let Some(path) = svg {
+        let title = format!("propagation latency, host → {member}: CDF of {samples} samples each");
+        let chart = crate::chart::cdf_svg(
+            &title,
+            "ms",
+            &[
+                ("flotilla: host write → member watch", &flotilla),
+                ("floor: host + member write→watch", &floor),
+            ],
+        )?;
+        std::fs::write(path, chart).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("bench latency: the CDF chart is in {}", path.display());
+    }
     let hub_binary = flotilla_lab::federation::Federation::load(env)
         .and_then(|f| Ok(f.launch(flotilla_lab::federation::HUB)?.program.clone()))
         .map(|p| p.display().to_string())

@@ -15,8 +15,10 @@
 //! - [`hostwrites`]: the real hub's writes to a real host apiserver with K simulated
 //!   clusters: converging, idle, session flaps, a hub restart; the largest status,
 //! - [`stats`]: percentiles, the bootstrap interval and the verdict (pure, tested),
+//! - [`chart`]: the samples as an SVG chart (`latency --svg`),
 //! - [`procstat`]: peak RSS and CPU time of one process, from `/proc`.
 
+mod chart;
 mod fanout;
 mod footprint;
 mod hostwrites;
@@ -183,6 +185,9 @@ enum Scenario {
     Latency {
         #[arg(long, default_value_t = 200)]
         samples: usize,
+        /// Also write the CDF of both sets of samples here, as SVG.
+        #[arg(long)]
+        svg: Option<std::path::PathBuf>,
     },
     /// Agents holding everything reconnect to a restarted hub: Applies and bytes sent
     Resync(fanout::Size),
@@ -246,9 +251,9 @@ async fn run(scenario: Scenario, json: bool, dir: &Path) -> Result<()> {
     let report = match scenario {
         Scenario::Fanout(size) => fanout::fanout(size).await?,
         Scenario::Resync(size) => fanout::resync(size).await?,
-        Scenario::Latency { samples } => {
+        Scenario::Latency { samples, svg } => {
             on_environment(dir, "latency", |env| async move {
-                latency::latency(&env, samples).await
+                latency::latency(&env, samples, svg.as_deref()).await
             })
             .await?
         }

@@ -12,6 +12,9 @@ use crate::myapp;
 
 /// Annotation that keeps the member copies when the FederatedMyApp is deleted (KubeFed's).
 pub const ORPHAN_ANNOTATION: &str = "kubefed.io/orphan";
+/// The hub's finalizer: it holds a FederatedMyApp until every member has deleted (or
+/// released) its MyApp. No MyApp is sent anywhere before it is on the object.
+pub const HUB_FINALIZER: &str = "core.kubefed.io/flotilla-hub";
 
 /// A user's request to run one MyApp on a set of member clusters.
 #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
@@ -118,7 +121,7 @@ pub struct RolloutGroup {
 }
 
 /// Where a progressive rollout stands.
-#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RolloutStatus {
     /// The revision being rolled out, as the first 16 hex digits that prefix every
@@ -138,6 +141,29 @@ pub struct RolloutStatus {
     /// Which wave, which cluster and why, when not Complete.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub message: String,
+    /// The last revision every placed cluster ran Ready: what `flotilla-hub rollout
+    /// abort` puts back, and revisions no wave holds a cluster from (going back to them is
+    /// immediate). Kept across rollouts; absent until one completes, or when the template
+    /// and overrides are too large to keep a copy of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_complete: Option<CompletedRevision>,
+}
+
+/// A revision that every placed cluster ran Ready, and the spec that rendered it.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CompletedRevision {
+    /// The FederatedMyApp's `metadata.generation` it completed at.
+    pub generation: i64,
+    /// Every distinct revision the placed clusters ran (one per class of clusters).
+    pub revisions: Vec<String>,
+    /// `spec.template` then; absent when the copy would be too large (64 KiB with the
+    /// overrides).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<Template>,
+    /// `spec.overrides` then.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub overrides: Vec<ClusterOverrides>,
 }
 
 /// Which member clusters get the MyApp. KubeFed's rule: `clusters`, when present (even

@@ -73,14 +73,21 @@ pub struct MemberClusterStatus {
     pub kubernetes_version: Option<String>,
     /// UID of the member's `kube-system` namespace, pinned by the first agent that
     /// connects: the credential is bound to that physical cluster, and an agent running
-    /// anywhere else is refused. Clear it (with `kubectl edit --subresource=status`) to
-    /// move the registration to a rebuilt cluster.
+    /// anywhere else is refused (unless it matches `clusterID`). Clear both (with
+    /// `kubectl edit --subresource=status`) to move the registration to a rebuilt cluster.
     #[serde(
         default,
         rename = "clusterUID",
         skip_serializing_if = "Option::is_none"
     )]
     pub cluster_uid: Option<String>,
+    /// The ID the member states itself (the `spec.value` of its About API ClusterProperty
+    /// `cluster.clusterset.k8s.io`, KEP-2149), pinned beside `clusterUID`: an agent is
+    /// accepted when it matches either, and both are then set to what it sent, so a
+    /// cluster that gains a ClusterProperty, or is rebuilt under the same one, keeps its
+    /// registration; an agent that matches neither is refused.
+    #[serde(default, rename = "clusterID", skip_serializing_if = "Option::is_none")]
+    pub cluster_id: Option<String>,
     /// The cluster's capacity as its agent last reported it: updated when a figure moved
     /// by 5 % and one default request (100m CPU, 200 MiB) or a node came or went, at most
     /// once per the hub's `--capacity-write-interval`.

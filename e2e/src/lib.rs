@@ -22,12 +22,7 @@ pub mod testcmd;
 /// stale one.
 pub fn agent_binary() -> &'static std::path::Path {
     static BIN: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-    BIN.get_or_init(|| {
-        flotilla_lab::support::cargo_binaries(&[("flotilla-agent", "flotilla-agent")])
-            .expect("building flotilla-agent")
-            .remove("flotilla-agent")
-            .expect("cargo names the flotilla-agent executable")
-    })
+    built_once(&BIN, "flotilla-agent")
 }
 
 /// The `flotilla-hub` binary, built once per test run: its admin CLI works in either
@@ -35,12 +30,74 @@ pub fn agent_binary() -> &'static std::path::Path {
 /// launch record of it).
 pub fn hub_binary() -> &'static std::path::Path {
     static BIN: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
-    BIN.get_or_init(|| {
-        flotilla_lab::support::cargo_binaries(&[("flotilla-hub", "flotilla-hub")])
-            .expect("building flotilla-hub")
-            .remove("flotilla-hub")
-            .expect("cargo names the flotilla-hub executable")
+    built_once(&BIN, "flotilla-hub")
+}
+
+/// The executable of the workspace binary `name` (of the package of that name), built
+/// the first time it is asked for.
+fn built_once(
+    bin: &'static std::sync::OnceLock<std::path::PathBuf>,
+    name: &str,
+) -> &'static std::path::Path {
+    bin.get_or_init(|| {
+        flotilla_lab::support::cargo_binaries(&[(name, name)])
+            .unwrap_or_else(|e| panic!("building {name}: {e:#}"))
+            .remove(name)
+            .unwrap_or_else(|| panic!("cargo names the {name} executable"))
     })
+}
+
+/// The documents of a multi-document YAML (what `kubectl kustomize` prints) whose `kind`
+/// is one of `kinds`, as YAML again: the identity and policy objects of an install
+/// without its workloads, to apply where nothing runs them.
+pub fn of_kinds(yaml: &str, kinds: &[&str]) -> anyhow::Result<String> {
+    use serde::Deserialize;
+    let mut picked = String::new();
+    for doc in serde_yaml::Deserializer::from_str(yaml) {
+        let object = serde_json::Value::deserialize(doc)?;
+        if kinds.contains(&object["kind"].as_str().unwrap_or_default()) {
+            picked.push_str("---\n");
+            picked.push_str(&serde_yaml::to_string(&object)?);
+        }
+    }
+    Ok(picked)
+}
+
+/// Runs `program args` from the workspace root against `kubeconfig`, feeding `stdin`:
+/// its stdout, or an error with the command line and its stderr.
+pub fn run_against(
+    program: &std::path::Path,
+    args: &[&str],
+    kubeconfig: &std::path::Path,
+    stdin: Option<&[u8]>,
+) -> anyhow::Result<String> {
+    use anyhow::Context as _;
+    use std::process::{Command, Stdio};
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .current_dir(flotilla_lab::support::workspace_root())
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().with_context(|| format!("running {cmd:?}"))?;
+    if let Some(input) = stdin {
+        use std::io::Write;
+        child.stdin.take().expect("piped").write_all(input)?;
+    }
+    let out = child.wait_with_output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "`{} {}` failed: {}",
+        program.display(),
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// The hub's admin CLI against the host, as the host's administrator.

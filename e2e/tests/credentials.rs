@@ -413,9 +413,17 @@ async fn a_replaced_serving_certificate_is_served_without_a_restart() -> Result<
             before.insert(m.clone(), hub_metric(&f, &syncs(m)).await?);
         }
 
+        // Renewed from the lab's own CA, as an operator renews it (`certs --renew`).
         let fresh = env.dir.join("serving-renewed");
+        std::fs::create_dir_all(&fresh)?;
+        let lab_tls = cert.parent().context("the certificate's directory")?;
+        for file in ["ca.crt", "ca.key"] {
+            std::fs::copy(lab_tls.join(file), fresh.join(file))
+                .with_context(|| format!("copying the lab's {file}"))?;
+        }
         f.hub_cli(&env)?
-            .run(&["certs", "--out", &fresh.to_string_lossy()])?;
+            .run(&["certs", "--renew", "--out", &fresh.to_string_lossy()])?;
+        ensure!(std::fs::read(fresh.join("ca.crt"))? == std::fs::read(lab_tls.join("ca.crt"))?);
         let new_serial = serial_of_file(&fresh.join("tls.crt"))?;
         ensure!(new_serial != old_serial);
         // Half a rotation: the new certificate beside the old key does not load.
@@ -446,6 +454,14 @@ async fn a_replaced_serving_certificate_is_served_without_a_restart() -> Result<
                 "{m} is not Ready"
             );
         }
+        // An agent dialling anew trusts the renewed certificate with the CA it has.
+        let agent = flotilla_lab::federation::agent_name(&members[0]);
+        f.restart(&env, &agent).await?;
+        federation::wait_member_ready(&host, &members[0], true, TIMEOUT).await?;
+        wait_for(TIMEOUT, "the restarted agent in session", || async {
+            Ok((hub_metric(&f, &syncs(&members[0])).await? > before[&members[0]]).then_some(()))
+        })
+        .await?;
         // And back, the same way.
         replace(&cert, &old_cert)?;
         replace(&key, &old_key)?;

@@ -511,6 +511,19 @@ async fn a_mass_collection_waits_for_a_confirmation() -> Result<()> {
                 "deleted while held back: {:?}",
                 log.deletions()
             );
+            // Another count confirms nothing: removed unused, the leftovers stay.
+            let wrong = json!({"metadata": {"annotations": {"flotilla.io/confirm-collection": (count + 1).to_string()}}});
+            members
+                .patch("cluster2", &PatchParams::default(), &Patch::Merge(&wrong))
+                .await?;
+            let removed = |mc: Option<&MemberCluster>| {
+                mc.is_some_and(|mc| !mc.annotations().contains_key("flotilla.io/confirm-collection"))
+            };
+            await_object(&members, "cluster2", CONVERGE, "a wrong count removed", removed).await?;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            for name in &leftovers {
+                ensure!(myapps.get_opt(name).await?.is_some(), "{name} collected on a wrong count");
+            }
             // Confirmed: the hub passes it on and the leftovers go, and only they.
             let confirm = json!({"metadata": {"annotations": {"flotilla.io/confirm-collection": count.to_string()}}});
             members

@@ -8,15 +8,15 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
+use flotilla_e2e::run_against as run;
 use flotilla_lab::Env;
 use flotilla_lab::federation::Federation;
 use flotilla_lab::support::workspace_root;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Api;
-use serde::Deserialize;
 
 /// Both tests write to the host (its MyApp CRD, `flotilla-system`): one at a time.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -48,36 +48,6 @@ fn cached(prefix: &str) -> Result<PathBuf> {
             tools().display()
         )
     })
-}
-
-/// Runs `program args`, feeding `stdin`; fails with its stderr.
-fn run(program: &Path, args: &[&str], kubeconfig: &Path, stdin: Option<&[u8]>) -> Result<String> {
-    let mut cmd = Command::new(program);
-    cmd.args(args)
-        .env("KUBECONFIG", kubeconfig)
-        .current_dir(workspace_root())
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = cmd.spawn().with_context(|| format!("running {cmd:?}"))?;
-    if let Some(input) = stdin {
-        use std::io::Write;
-        child.stdin.take().unwrap().write_all(input)?;
-    }
-    let out = child.wait_with_output()?;
-    if !out.status.success() {
-        bail!(
-            "`{} {}` failed: {}",
-            program.display(),
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 fn kubectl() -> PathBuf {
@@ -486,24 +456,17 @@ async fn service_accounts_hold_exactly_the_documented_rights() -> Result<()> {
         &member,
         None,
     )?;
-    let mut rbac = String::new();
-    for doc in serde_yaml::Deserializer::from_str(&built) {
-        let object = serde_json::Value::deserialize(doc)?;
-        let kind = object["kind"].as_str().unwrap_or_default();
-        if [
+    let rbac = flotilla_e2e::of_kinds(
+        &built,
+        &[
             "Namespace",
             "ServiceAccount",
             "Role",
             "RoleBinding",
             "ClusterRole",
             "ClusterRoleBinding",
-        ]
-        .contains(&kind)
-        {
-            rbac.push_str("---\n");
-            rbac.push_str(&serde_yaml::to_string(&object)?);
-        }
-    }
+        ],
+    )?;
     run(
         &kubectl(),
         &["apply", "-f", "-"],

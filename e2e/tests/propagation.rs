@@ -448,8 +448,12 @@ async fn a_myapp_changed_by_hand_in_a_member_is_put_back() -> Result<()> {
     myapps(&c.c1)
         .patch("drift", &edit, &Patch::Merge(&added))
         .await?;
+    // The image edit's report may still be the one status shows: wait for this one.
     let status = status_where(&c.host, "drift", "cluster1 reported drifted", |s| {
-        condition(s, "Propagated").is_some_and(|c| c["reason"] == "Drifted")
+        condition(s, "Propagated").is_some_and(|c| {
+            let message = c["message"].as_str().unwrap_or_default();
+            c["reason"] == "Drifted" && message.contains("spec.config")
+        })
     })
     .await?;
     let message = condition(&status, "Propagated").unwrap()["message"]

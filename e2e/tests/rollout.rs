@@ -66,6 +66,11 @@ fn canary_first(soak: i32, deadline: i32) -> Value {
     })
 }
 
+/// Resources no node has (a thousand cores): the pods stay Pending, the MyApp never Ready.
+fn never_scheduled() -> Value {
+    json!({"requests": {"cpu": "1000"}})
+}
+
 fn nginx(tag: &str) -> Value {
     json!({"image": format!("nginx:{tag}"), "replicas": 1})
 }
@@ -76,10 +81,26 @@ impl Ctx {
     }
 
     async fn apply(&self, name: &str, spec: Value, rollout: &Value) -> Result<()> {
+        self.apply_with(name, spec, json!([]), rollout).await
+    }
+
+    async fn apply_with(
+        &self,
+        name: &str,
+        spec: Value,
+        overrides: Value,
+        rollout: &Value,
+    ) -> Result<()> {
+        let placement = json!({"clusterSelector": {}});
+        let spec = json!({"placement": placement, "template": {"spec": spec}, "overrides": overrides, "rollout": rollout});
+        self.apply_spec(name, spec).await
+    }
+
+    async fn apply_spec(&self, name: &str, spec: Value) -> Result<()> {
         let app = json!({
             "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
             "metadata": {"name": name, "namespace": "default"},
-            "spec": {"placement": {"clusterSelector": {}}, "template": {"spec": spec}, "rollout": rollout},
+            "spec": spec,
         });
         self.fedapps()
             .patch(
@@ -284,9 +305,7 @@ async fn a_bad_revision_halts_after_the_first_wave_and_a_fix_resumes() -> Result
     let good = c.wait_complete(name).await?;
     let before = c.runs(name).await?;
 
-    // No node has a thousand cores: the new pods stay Pending, the MyApp never Ready.
-    let bad =
-        json!({"image": "nginx:1.27", "replicas": 1, "resources": {"requests": {"cpu": "1000"}}});
+    let bad = json!({"image": "nginx:1.27", "replicas": 1, "resources": never_scheduled()});
     c.apply(name, bad, &rollout).await?;
     let app = c.wait_rollout(name, "Halted", false).await?;
     let r = app
@@ -355,6 +374,123 @@ async fn a_bad_revision_halts_after_the_first_wave_and_a_fix_resumes() -> Result
     hub.run(&["rollout", "resume", name])?;
     let fixed = c.wait_complete(name).await?;
     ensure!(fixed != good && Some(fixed.as_str()) != canary.revision());
+    c.clean(&log).await?;
+    c.delete(name).await
+}
+
+/// A revision that halts in the second wave (cluster2's pods never get Ready), then
+/// `rollout abort`: the template and overrides go back to the last complete revision,
+/// and cluster1 and cluster2 return to it at once, though the soak in force would hold
+/// cluster2 for five minutes behind cluster1 were it a new revision; cluster3 never
+/// moves. Aborting again has nothing to do.
+#[tokio::test]
+async fn an_abort_puts_every_cluster_back_on_the_last_complete_revision_at_once() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let c = ctx().await?;
+    let log = DeletionLog::start(&c.env).await?;
+    let name = "ro-abort";
+    let waves = |soak: i32| json!({"type": "Progressive", "maxConcurrency": 1, "minSuccessSeconds": soak, "progressDeadlineSeconds": 10});
+    c.apply(name, nginx("1.27"), &waves(1)).await?;
+    let good = c.wait_complete(name).await?;
+    let before = c.runs(name).await?;
+    // cluster2's new pods stay Pending.
+    let starved = json!([{"clusterName": "cluster2", "clusterOverrides": [
+        {"op": "add", "path": "/spec/resources", "value": never_scheduled()}]}]);
+    c.apply_with(name, nginx("1.28"), starved.clone(), &waves(1))
+        .await?;
+    let app = c.wait_rollout(name, "Halted", false).await?;
+    let r = (app.status.as_ref().and_then(|s| s.rollout.clone())).context("no rollout")?;
+    ensure!(r.wave == 2 && r.message.contains("cluster2"), "{r:?}");
+    let last = r.last_complete.context("no lastComplete")?;
+    ensure!(last.revisions == [good.clone()], "{last:?} against {good}");
+    // A five-minute soak from now on: a new revision would hold cluster2 behind cluster1.
+    c.apply_with(name, nginx("1.28"), starved, &waves(300))
+        .await?;
+
+    let hub = Federation::load(&c.env)?.hub_cli(&c.env)?;
+    let started = Instant::now();
+    hub.run(&["rollout", "abort", name])?;
+    c.wait_complete(name)
+        .await
+        .context("back on the last complete revision")?;
+    let back = started.elapsed();
+    ensure!(back < Duration::from_secs(120), "took {back:?}");
+    let runs = c.runs(name).await?;
+    ensure!(
+        runs["cluster3"] == before["cluster3"],
+        "cluster3 moved: {:?}",
+        runs["cluster3"]
+    );
+    for m in ["cluster1", "cluster2"] {
+        let revision = runs[m].as_ref().and_then(Runs::revision);
+        ensure!(revision == Some(good.as_str()), "{m} runs {revision:?}");
+    }
+    let app = c.fedapps().get(name).await?;
+    ensure!(
+        app.spec.overrides.is_empty(),
+        "the overrides are back to none"
+    );
+    let template = serde_json::to_value(&app.spec.template.spec)?;
+    ensure!(template["image"] == "nginx:1.27", "{template}");
+    let again = hub.run(&["rollout", "abort", name]);
+    ensure!(
+        again
+            .as_ref()
+            .is_err_and(|e| format!("{e:#}").contains("nothing to abort")),
+        "{again:?}"
+    );
+    eprintln!("abort: every cluster back on {good} in {back:?}");
+    c.clean(&log).await?;
+    c.delete(name).await
+}
+
+/// Halted at wave 1 (cluster1's pods never get Ready) with a division of 6 replicas over
+/// three clusters, the total is raised to 9 (a traffic spike): cluster2 and cluster3,
+/// held but running the last complete revision, take 3 replicas each of that revision at
+/// once (a change of the division is not held by a halted rollout), still held.
+#[tokio::test]
+async fn a_held_cluster_takes_its_new_share_of_a_division() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let c = ctx().await?;
+    let log = DeletionLog::start(&c.env).await?;
+    let name = "ro-share";
+    let spec = |template: Value, total: i32| {
+        json!({
+            "placement": {"clusterSelector": {}, "replicaScheduling": {"mode": "Weighted", "totalReplicas": total}},
+            "template": {"spec": template},
+            "rollout": {"type": "Progressive", "maxConcurrency": 1, "minSuccessSeconds": 1, "progressDeadlineSeconds": 10},
+        })
+    };
+    c.apply_spec(name, spec(nginx("1.27"), 6)).await?;
+    let good = c.wait_complete(name).await?;
+    let bad = json!({"image": "nginx:1.28", "resources": never_scheduled()});
+    c.apply_spec(name, spec(bad.clone(), 6)).await?;
+    c.wait_rollout(name, "Halted", false).await?;
+    c.apply_spec(name, spec(bad, 9)).await?;
+    let replicas = |m: &'static str| {
+        let api = Api::<MyApp>::namespaced(c.members[m].clone(), "default");
+        async move { anyhow::Ok(api.get(name).await?.spec.replicas) }
+    };
+    wait_for(TIMEOUT, "cluster2 and cluster3 run 3 replicas", || async {
+        let three =
+            replicas("cluster2").await? == Some(3) && replicas("cluster3").await? == Some(3);
+        Ok(three.then_some(()))
+    })
+    .await?;
+    let runs = c.runs(name).await?;
+    for m in ["cluster2", "cluster3"] {
+        let revision = runs[m].as_ref().and_then(Runs::revision);
+        ensure!(
+            revision == Some(good.as_str()),
+            "{m} runs {revision:?}, not {good}"
+        );
+    }
+    let app = c.fedapps().get(name).await?;
+    let r = app.status.and_then(|s| s.rollout).context("no rollout")?;
+    // cluster1's new share restarts its deadline: Progressing again, until it passes.
+    ensure!(r.held_clusters == 2, "{r:?}");
+    c.apply_spec(name, spec(nginx("1.27"), 9)).await?;
+    c.wait_complete(name).await?;
     c.clean(&log).await?;
     c.delete(name).await
 }

@@ -1,5 +1,5 @@
 //! Command line: `render` (offline preview), `crds`, `certs`, `version`, `completion`;
-//! `run` drives the hub; `rollout` pauses and resumes a progressive rollout; `join`,
+//! `run` drives the hub; `rollout` pauses, resumes and aborts a progressive rollout; `join`,
 //! `revoke`, `unjoin`, `cordon` and `uncordon` manage
 //! member clusters.
 
@@ -66,7 +66,7 @@ pub enum Command {
     /// Every cluster of a FederatedMyApp, from the leading hub (its status on the host
     /// lists only the most urgent past 50 clusters).
     Status(crate::detail::StatusArgs),
-    /// Where a FederatedMyApp's progressive rollout stands; pause or resume it.
+    /// Where a FederatedMyApp's progressive rollout stands; pause, resume or abort it.
     Rollout(RolloutArgs),
     /// Print the CustomResourceDefinitions Flotilla installs.
     Crds {
@@ -365,16 +365,26 @@ pub enum RolloutAction {
     Pause,
     /// Clear `spec.rollout.paused`: the waves go on where they stand.
     Resume,
+    /// Put `spec.template` and `spec.overrides` back to the last revision a rollout
+    /// completed (`status.rollout.lastComplete`): every cluster goes back to it at once.
+    Abort,
 }
 
 #[derive(clap::Args, Debug)]
 pub struct CertsArgs {
-    /// Directory for ca.crt, tls.crt and tls.key.
+    /// Directory for ca.crt, ca.key, tls.crt and tls.key.
     #[arg(long)]
     pub out: PathBuf,
     /// Names and addresses agents dial the hub by (repeatable).
     #[arg(long = "san", default_values = ["localhost", "127.0.0.1"])]
     pub sans: Vec<String>,
+    /// Keep the CA in the directory (ca.crt, ca.key) and issue only a new tls.crt and
+    /// tls.key from it: agents, which trust ca.crt, need nothing new.
+    #[arg(long)]
+    pub renew: bool,
+    /// How long the serving certificate is valid (the CA: ten years).
+    #[arg(long, default_value = "365d", value_parser = humantime::parse_duration)]
+    pub valid_for: std::time::Duration,
 }
 
 fn parse_label(s: &str) -> Result<(String, String), String> {
@@ -675,9 +685,10 @@ pub async fn cordon(kube: &KubeArgs, args: &CordonArgs, unschedulable: bool) -> 
     Ok(())
 }
 
-/// `flotilla-hub rollout status|pause|resume NAME`: reads `status.rollout`, or sets
-/// `spec.rollout.paused` with a merge patch (nothing else of the spec moves). Pausing an
-/// app that rolls out all at once is refused: there is nothing to pause.
+/// `flotilla-hub rollout status|pause|resume|abort NAME`: reads `status.rollout`, sets
+/// `spec.rollout.paused` with a merge patch (nothing else of the spec moves), or puts the
+/// last complete revision's template and overrides back ([`abort_patch`]). An app that
+/// rolls out all at once is refused: there is no rollout to act on.
 pub async fn rollout(kube: &KubeArgs, args: &RolloutArgs) -> anyhow::Result<()> {
     use kube::api::{Api, Patch, PatchParams};
     let client = kube
@@ -696,8 +707,23 @@ pub async fn rollout(kube: &KubeArgs, args: &RolloutArgs) -> anyhow::Result<()> 
     }
     anyhow::ensure!(
         flotilla_plan::rollout::progressive(&app),
-        "{who} rolls out to every cluster at once (spec.rollout.type is All or absent): there is no rollout to pause or resume"
+        "{who} rolls out to every cluster at once (spec.rollout.type is All or absent): there is no rollout to {}",
+        format!("{:?}", args.action).to_lowercase()
     );
+    if args.action == RolloutAction::Abort {
+        let (patch, generation) = abort_patch(&app, &who)?;
+        api.patch(
+            &args.name,
+            &PatchParams::default(),
+            &Patch::Json::<()>(patch),
+        )
+        .await
+        .with_context(|| format!("setting spec.template and spec.overrides of {who} back"))?;
+        eprintln!(
+            "{who} aborted: spec.template and spec.overrides are back to generation {generation}, the last complete revision; every cluster goes back to it at once"
+        );
+        return Ok(());
+    }
     let paused = args.action == RolloutAction::Pause;
     api.patch(
         &args.name,
@@ -712,6 +738,45 @@ pub async fn rollout(kube: &KubeArgs, args: &RolloutArgs) -> anyhow::Result<()> 
     };
     eprintln!("{who} {what}");
     Ok(())
+}
+
+/// The JSON patch that puts `app`'s template and overrides back to its last complete
+/// revision, guarded by the `resourceVersion` read (a concurrent edit makes it fail,
+/// not vanish), and the generation it goes back to. Refused when there is none, when
+/// status kept no copy of it, or when the app already runs it.
+fn abort_patch(app: &FederatedMyApp, who: &str) -> anyhow::Result<(json_patch::Patch, i64)> {
+    let rollout = app.status.as_ref().and_then(|s| s.rollout.as_ref());
+    let last = rollout.and_then(|r| r.last_complete.as_ref()).with_context(|| {
+        format!("{who} has no complete rollout to go back to (status.rollout.lastComplete is absent)")
+    })?;
+    let template = last.template.as_ref().with_context(|| {
+        format!(
+            "{who}: status.rollout.lastComplete (generation {}) keeps no copy of the spec (over {} bytes): set spec.template back by hand",
+            last.generation,
+            flotilla_plan::rollout::COPY_MAX
+        )
+    })?;
+    anyhow::ensure!(
+        (template, &last.overrides) != (&app.spec.template, &app.spec.overrides),
+        "{who} already has the template and overrides of its last complete rollout (generation {}): nothing to abort",
+        last.generation
+    );
+    let version = app.metadata.resource_version.clone().unwrap_or_default();
+    let mut ops = vec![
+        serde_json::json!({"op": "test", "path": "/metadata/resourceVersion", "value": version}),
+        serde_json::json!({"op": "add", "path": "/spec/template", "value": template}),
+    ];
+    match (last.overrides.is_empty(), app.spec.overrides.is_empty()) {
+        (false, _) => ops.push(
+            serde_json::json!({"op": "add", "path": "/spec/overrides", "value": last.overrides}),
+        ),
+        (true, false) => ops.push(serde_json::json!({"op": "remove", "path": "/spec/overrides"})),
+        (true, true) => {}
+    }
+    Ok((
+        crate::writes::json_patch(Value::Array(ops)),
+        last.generation,
+    ))
 }
 
 /// `null` rather than `false` on resume: the field reads as absent.
@@ -760,16 +825,46 @@ fn cordon_patch(unschedulable: bool) -> Value {
     serde_json::json!({"spec": {"unschedulable": value}})
 }
 
+/// `flotilla-hub certs`: a CA (kept: ca.key) and the hub's serving certificate; with
+/// `--renew`, a new serving certificate from the CA already in the directory.
 pub fn certs(args: &CertsArgs) -> anyhow::Result<()> {
-    let tls = flotilla_common::tls::self_signed("flotilla-hub CA", "flotilla-hub", &args.sans)?;
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
-    std::fs::write(args.out.join("ca.crt"), &tls.ca_pem)?;
-    std::fs::write(args.out.join("tls.crt"), &tls.cert_pem)?;
-    write_private(&args.out.join("tls.key"), tls.key_pem.expose_secret())?;
+    use flotilla_common::tls::Ca;
+    let dir = &args.out;
+    let ca = if args.renew {
+        let read = |f: &str| {
+            std::fs::read_to_string(dir.join(f))
+                .with_context(|| format!("--renew keeps the CA in {}: reading {f}", dir.display()))
+        };
+        let ca = Ca {
+            cert_pem: read("ca.crt")?,
+            key_pem: read("ca.key")?.into(),
+        };
+        anyhow::ensure!(
+            ca.key_matches(),
+            "{}: ca.key is not the key of ca.crt (or does not parse)",
+            dir.display()
+        );
+        ca
+    } else {
+        Ca::generate("flotilla-hub CA")?
+    };
+    let tls = ca.issue_valid_for("flotilla-hub", &args.sans, args.valid_for)?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut wrote = vec!["tls.crt", "tls.key"];
+    if !args.renew {
+        std::fs::write(dir.join("ca.crt"), &ca.cert_pem)?;
+        write_private(&dir.join("ca.key"), ca.key_pem.expose_secret())?;
+        wrote.extend(["ca.crt", "ca.key"]);
+    }
+    // The key before the certificate: a hub reloading in between finds a pair that does
+    // not match, and keeps serving the old one until both are new.
+    write_private(&dir.join("tls.key"), tls.key_pem.expose_secret())?;
+    std::fs::write(dir.join("tls.crt"), &tls.cert_pem)?;
     eprintln!(
-        "wrote ca.crt, tls.crt and tls.key to {}",
-        args.out.display()
+        "wrote {} to {} (the serving certificate valid for {} days); keep ca.key out of the cluster",
+        wrote.join(", "),
+        dir.display(),
+        args.valid_for.as_secs() / 86_400
     );
     Ok(())
 }
@@ -896,7 +991,7 @@ mod tests {
             (args.action, args.name.as_str()),
             (RolloutAction::Pause, "web")
         );
-        assert!(parse(&["flotilla-hub", "rollout", "abort", "web"]).is_err());
+        assert!(parse(&["flotilla-hub", "rollout", "undo", "web"]).is_err());
         let mut app: FederatedMyApp = serde_yaml::from_str(
             "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: web}\n\
              spec: {rollout: {type: Progressive, maxConcurrency: 1}}\n",
@@ -919,6 +1014,7 @@ mod tests {
                 updated_clusters: 1,
                 held_clusters: 2,
                 message: "halted at wave 1 of 2: cluster c1".into(),
+                last_complete: None,
             }),
             ..Default::default()
         });
@@ -928,6 +1024,136 @@ mod tests {
             "{summary}"
         );
         assert!(summary.contains("message: halted at wave 1 of 2: cluster c1"));
+    }
+
+    /// Abort puts the template and overrides of the last complete revision back, guarded
+    /// by the version read; refused with nothing to go back to, no copy, or nothing to do.
+    #[test]
+    fn abort_puts_the_last_complete_spec_back() {
+        let app = |image: &str, overrides: &str| -> FederatedMyApp {
+            serde_yaml::from_str(&format!(
+                "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {{name: web, resourceVersion: '42'}}\n\
+                 spec: {{rollout: {{type: Progressive}}, template: {{spec: {{image: '{image}', replicas: 2}}}}, overrides: {overrides}}}\n"
+            ))
+            .unwrap()
+        };
+        let c2 = "[{clusterName: c2, clusterOverrides: [{path: /spec/replicas, value: 3}]}]";
+        let good = app("nginx:1", c2);
+        let mut bad = app("nginx:bad", "[]");
+        let last = flotilla_crds::federated::CompletedRevision {
+            generation: 4,
+            revisions: vec!["0123456789abcdef".into()],
+            template: Some(good.spec.template.clone()),
+            overrides: good.spec.overrides.clone(),
+        };
+        let who = "FederatedMyApp default/web";
+        let err = abort_patch(&bad, who).unwrap_err().to_string();
+        assert!(err.contains("no complete rollout to go back to"), "{err}");
+        let with = |app: &mut FederatedMyApp,
+                    last: &flotilla_crds::federated::CompletedRevision| {
+            let rollout = flotilla_crds::federated::RolloutStatus {
+                last_complete: Some(last.clone()),
+                ..Default::default()
+            };
+            app.status = Some(flotilla_crds::FederatedMyAppStatus {
+                rollout: Some(rollout),
+                ..Default::default()
+            });
+        };
+        with(&mut bad, &last);
+        let (patch, generation) = abort_patch(&bad, who).unwrap();
+        assert_eq!(generation, 4);
+        let mut object = serde_json::to_value(&bad).unwrap();
+        json_patch::patch(&mut object, &patch).unwrap();
+        let aborted: FederatedMyApp = serde_json::from_value(object.clone()).unwrap();
+        assert_eq!(
+            (aborted.spec.template, aborted.spec.overrides),
+            (good.spec.template.clone(), good.spec.overrides.clone())
+        );
+        assert_eq!(aborted.spec.rollout, bad.spec.rollout, "nothing else moves");
+        // Someone changed the app since it was read: the patch fails.
+        object["metadata"]["resourceVersion"] = "43".into();
+        assert!(json_patch::patch(&mut object, &patch).is_err());
+        // Back to no overrides: removed.
+        let mut with_overrides = app("nginx:bad", c2);
+        with(
+            &mut with_overrides,
+            &flotilla_crds::federated::CompletedRevision {
+                overrides: vec![],
+                ..last.clone()
+            },
+        );
+        let (patch, _) = abort_patch(&with_overrides, who).unwrap();
+        let mut object = serde_json::to_value(&with_overrides).unwrap();
+        json_patch::patch(&mut object, &patch).unwrap();
+        assert!(object["spec"].get("overrides").is_none());
+        // Nothing to do, and no copy kept.
+        let mut same = good.clone();
+        with(&mut same, &last);
+        assert!(
+            abort_patch(&same, who)
+                .unwrap_err()
+                .to_string()
+                .contains("nothing to abort")
+        );
+        with(
+            &mut bad,
+            &flotilla_crds::federated::CompletedRevision {
+                template: None,
+                ..last
+            },
+        );
+        assert!(
+            abort_patch(&bad, who)
+                .unwrap_err()
+                .to_string()
+                .contains("keeps no copy")
+        );
+    }
+
+    /// `certs` keeps the CA's key (owner-only); `--renew` issues a new serving pair from
+    /// the same CA and leaves the CA as it was; without a CA, or with another CA's key,
+    /// it is refused.
+    #[test]
+    fn certs_keep_the_ca_and_renew_from_it() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("flotilla-certs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let args = |renew: bool| CertsArgs {
+            out: dir.clone(),
+            sans: vec!["localhost".into()],
+            renew,
+            valid_for: std::time::Duration::from_secs(86_400),
+        };
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+        let err = certs(&args(true)).unwrap_err();
+        assert!(format!("{err:#}").contains("reading ca.crt"), "{err:#}");
+        certs(&args(false)).unwrap();
+        for key in ["ca.key", "tls.key"] {
+            let mode = std::fs::metadata(dir.join(key))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600, "{key}");
+        }
+        let (ca, ca_key, leaf) = (read("ca.crt"), read("ca.key"), read("tls.crt"));
+        certs(&args(true)).unwrap();
+        assert_eq!(
+            (read("ca.crt"), read("ca.key")),
+            (ca.clone(), ca_key),
+            "the CA kept"
+        );
+        assert_ne!(read("tls.crt"), leaf, "a new serving certificate");
+        // The new pair is one (the key is the certificate's) and loads as the hub does.
+        crate::serving::ServingCert::load(dir.join("tls.crt"), dir.join("tls.key")).unwrap();
+        let other = flotilla_common::tls::Ca::generate("other").unwrap();
+        std::fs::write(dir.join("ca.key"), other.key_pem.expose_secret()).unwrap();
+        let err = certs(&args(true)).unwrap_err();
+        assert!(
+            format!("{err:#}").contains("not the key of ca.crt"),
+            "{err:#}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -13,7 +13,7 @@ use flotilla_common::listed;
 use flotilla_common::metrics::Metrics;
 use flotilla_crds::FederatedMyApp;
 use flotilla_plan::index::AppKey;
-use flotilla_plan::planner::key_of;
+use flotilla_plan::planner::{held_by_hub, key_of};
 use futures::{Stream, StreamExt};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::Controller;
@@ -29,8 +29,7 @@ use tracing::{info, warn};
 
 use crate::status::{PlanErrors, StatusBoard};
 
-/// Holds each FederatedMyApp until every member has deleted (or released) its MyApp.
-pub const FINALIZER: &str = "core.kubefed.io/flotilla-hub";
+pub use flotilla_crds::federated::HUB_FINALIZER as FINALIZER;
 pub const CONTROLLER: &str = "federatedmyapp";
 /// How often a deletion waiting for agents' confirmations is looked at again, besides
 /// the planner's word when they are all in.
@@ -68,6 +67,8 @@ impl Error {
 /// leader's), and a deletion every cluster confirmed (a finalizer to remove).
 pub struct Notices {
     errors: Mutex<HashMap<AppKey, PlanErrors>>,
+    /// Deleted apps → clusters that only claimed them, no longer waited for.
+    unheeded: Mutex<HashMap<AppKey, Vec<String>>>,
     wake: mpsc::UnboundedSender<ObjectRef<FederatedMyApp>>,
     leading: watch::Receiver<bool>,
 }
@@ -80,6 +81,7 @@ impl Notices {
         let (wake, woken) = mpsc::unbounded_channel();
         let notices = Self {
             errors: Mutex::default(),
+            unheeded: Mutex::default(),
             wake,
             leading,
         };
@@ -91,6 +93,22 @@ impl Notices {
             self.errors.lock().insert(key.clone(), errors);
             self.reconcile(key);
         }
+    }
+
+    /// The deletion of `key` went on without `clusters`, which only claimed it.
+    pub fn claims_unheeded(&self, key: &AppKey, clusters: Vec<String>) {
+        if *self.leading.borrow() {
+            self.unheeded
+                .lock()
+                .entry(key.clone())
+                .or_default()
+                .extend(clusters);
+            self.reconcile(key);
+        }
+    }
+
+    fn take_unheeded(&self, key: &AppKey) -> Vec<String> {
+        self.unheeded.lock().remove(key).unwrap_or_default()
     }
 
     pub fn deletion_confirmed(&self, key: &AppKey) {
@@ -186,10 +204,17 @@ async fn reconcile_app(app: &FederatedMyApp, ctx: &Context) -> Result<Option<Dur
     }
     let key = key_of(app);
     let api: Api<FederatedMyApp> = Api::namespaced(ctx.client.clone(), &key.namespace);
-    let has_finalizer = app.finalizers().iter().any(|f| f == FINALIZER);
+    let has_finalizer = held_by_hub(app);
     if app.metadata.deletion_timestamp.is_some() {
         if !has_finalizer {
             return Ok(None);
+        }
+        for cluster in ctx.notices.take_unheeded(&key) {
+            let note = format!(
+                "cluster {cluster} said it holds this MyApp, which this hub never placed or sent there, and did not confirm its Delete within --claim-wait: the deletion goes on without it (a MyApp it really holds is collected when its agent next syncs)"
+            );
+            ctx.event(app, EventType::Warning, "ClaimUnconfirmed", note)
+                .await;
         }
         if !ctx.status.deletion_confirmed(&key) {
             return Ok(Some(DELETION_RECHECK));

@@ -82,11 +82,14 @@ impl Bounds {
 }
 
 /// A Hello as the hub reads it (it logs and shows these strings): versions cut to
-/// [`HELLO_STRING_MAX`]. The cluster name and UID identify the member, so past
+/// [`HELLO_STRING_MAX`]. The cluster name, UID and ID identify the member, so past
 /// [`NAME_MAX`] and [`HELLO_STRING_MAX`] the Hello is refused rather than cut (a cut could
 /// make them look like real ones).
 pub fn hello_from_pb(mut h: pb::Hello) -> Result<Bounded<pb::Hello>, Refusal> {
-    if h.cluster.len() > NAME_MAX || h.cluster_uid.len() > HELLO_STRING_MAX {
+    if h.cluster.len() > NAME_MAX
+        || h.cluster_uid.len() > HELLO_STRING_MAX
+        || h.cluster_id.len() > HELLO_STRING_MAX
+    {
         return Err(Refusal::LongString);
     }
     let mut bounds = Bounds::default();
@@ -413,7 +416,7 @@ mod tests {
         let name = "a".repeat(NAME_MAX);
         assert!(hello_from_pb(hello(name.clone(), uid.clone(), String::new())).is_ok());
         assert_eq!(
-            hello_from_pb(hello(format!("{name}a"), uid, String::new())),
+            hello_from_pb(hello(format!("{name}a"), uid.clone(), String::new())),
             Err(Refusal::LongString)
         );
         assert_eq!(
@@ -422,6 +425,17 @@ mod tests {
                 "u".repeat(HELLO_STRING_MAX + 1),
                 String::new()
             )),
+            Err(Refusal::LongString)
+        );
+        // The stated cluster ID identifies the member as the UID does: refused, not cut.
+        let with_id = |id: String| pb::Hello {
+            cluster_id: id,
+            ..hello("c1".into(), uid.clone(), String::new())
+        };
+        let id = hello_from_pb(with_id("i".repeat(HELLO_STRING_MAX))).unwrap();
+        assert_eq!(id.value.cluster_id.len(), HELLO_STRING_MAX);
+        assert_eq!(
+            hello_from_pb(with_id("i".repeat(HELLO_STRING_MAX + 1))),
             Err(Refusal::LongString)
         );
     }

@@ -22,7 +22,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::auth::Identity;
 
@@ -262,9 +262,21 @@ pub struct Dispatcher {
 
 impl Default for Dispatcher {
     fn default() -> Self {
+        Self::with_index(Index::default())
+    }
+}
+
+impl Dispatcher {
+    /// A dispatcher whose deletions wait `claim_wait` for a cluster that only claims the
+    /// app ([`Index::with_claim_wait`]).
+    pub fn with_claim_wait(claim_wait: Duration) -> Self {
+        Self::with_index(Index::with_claim_wait(claim_wait))
+    }
+
+    fn with_index(index: Index) -> Self {
         Self {
             state: Mutex::new(State {
-                index: Index::default(),
+                index,
                 sessions: HashMap::new(),
             }),
             next_id: AtomicU64::new(0),
@@ -272,9 +284,7 @@ impl Default for Dispatcher {
             metrics: DispatchMetrics::default(),
         }
     }
-}
 
-impl Dispatcher {
     /// Makes `plan` the app's desired state; false while the deletion of an earlier
     /// object of the same name holds it back ([`Index::set_app`]).
     pub fn set_app(
@@ -293,25 +303,38 @@ impl Dispatcher {
         true
     }
 
-    /// Pushes the deletion and returns the clusters still holding the app.
-    pub fn delete_app(&self, key: &AppKey, orphan: bool, placed: &[String]) -> Vec<String> {
+    /// Pushes the deletion; returns the clusters still holding the app, and those that
+    /// only claimed it whose wait ended now (the deletion goes on without them).
+    pub fn delete_app(
+        &self,
+        key: &AppKey,
+        orphan: bool,
+        placed: &[String],
+    ) -> (Vec<String>, Vec<String>) {
         let mut state = self.state.lock();
-        let pushes = state.index.delete_app(key, orphan, placed);
+        let pushes = state.index.delete_app(key, orphan, placed, Instant::now());
         self.metrics.pairs.set(state.index.applied_pairs() as i64);
         route(&state, pushes);
-        state.index.deletion_waiting_on(key)
+        let unheeded = unheeded_claims(&mut state.index);
+        let unheeded = (unheeded.into_iter())
+            .filter(|(k, _)| k == key)
+            .map(|(_, c)| c)
+            .collect();
+        (state.index.deletion_waiting_on(key), unheeded)
     }
 
     /// The app's object left the host; `replaced`: another of the same name is listed
     /// ([`Index::drop_app`], [`Index::replace_app`]).
     pub fn drop_app(&self, key: &AppKey, orphan: bool, replaced: bool) {
         let mut state = self.state.lock();
+        let now = Instant::now();
         let pushes = match replaced {
-            true => state.index.replace_app(key, orphan),
-            false => state.index.drop_app(key, orphan),
+            true => state.index.replace_app(key, orphan, now),
+            false => state.index.drop_app(key, orphan, now),
         };
         self.metrics.pairs.set(state.index.applied_pairs() as i64);
         route(&state, pushes);
+        unheeded_claims(&mut state.index);
     }
 
     /// Every app has been planned for exactly these registered clusters: clusters that
@@ -412,8 +435,12 @@ impl Dispatcher {
         self.state.lock().sessions.values().cloned().collect()
     }
 
-    /// Records what a session's agent reported about an app; false when the session was
-    /// replaced or the app is not this cluster's to report.
+    /// Records what a session's agent reported about an app; true when its status is
+    /// for the status board: false when the session was replaced, or the app is not
+    /// this cluster's to report. An app the agent only said it holds (in its Hello, never
+    /// placed there by this hub) is heard by the index, so that "gone" clears the claim,
+    /// but its status is not kept (review H1: a Hello could claim thousands of keys whose
+    /// reports then stayed on the board for good).
     pub fn report(&self, queue: &ClusterQueue, key: &AppKey, held: Held) -> bool {
         let mut state = self.state.lock();
         let cluster = queue.cluster();
@@ -422,6 +449,7 @@ impl Dispatcher {
         {
             return false;
         }
+        let for_status = state.index.is_assigned(cluster, key);
         let pushes = state.index.report(cluster, key, held);
         if held == Held::Drifted && !pushes.is_empty() {
             let labels = ClusterLabels {
@@ -431,8 +459,18 @@ impl Dispatcher {
             debug!(cluster, app = %key, "the MyApp was changed in the member (drift): sending it again");
         }
         route(&state, pushes);
-        true
+        for_status
     }
+}
+
+/// Claims whose wait ended, each logged: the cluster's agent said it holds an app this
+/// hub never placed or sent there, and did not confirm its Delete in time.
+fn unheeded_claims(index: &mut Index) -> Vec<(AppKey, String)> {
+    let unheeded = index.take_unheeded_claims();
+    for (app, cluster) in &unheeded {
+        warn!(%app, %cluster, "the deletion goes on without a cluster that only claimed the MyApp (never placed or sent there) and did not confirm its Delete within --claim-wait");
+    }
+    unheeded
 }
 
 fn remove_session(state: &mut State, cluster: &str, id: Option<u64>) {
@@ -598,6 +636,22 @@ mod tests {
             "a replaced session's late report"
         );
         assert!(d.report(&q1b, &a, Held::Present));
+    }
+
+    /// Review H1: keys a Hello only claims never reach the status board.
+    #[test]
+    fn reports_for_keys_a_hello_only_claimed_are_not_for_status() {
+        let d = Dispatcher::default();
+        let claimed: HashMap<AppKey, String> = (0..100_000)
+            .map(|i| (AppKey::new("other", format!("app{i}")), "h".to_owned()))
+            .collect();
+        let q = d.connect(&id("c1"), &claimed).unwrap();
+        let one = AppKey::new("other", "app7");
+        assert!(!d.report(&q, &one, Held::Present));
+        // Its "gone" still clears the claim: a deletion no longer waits for it.
+        assert!(!d.report(&q, &one, Held::Absent));
+        let (waiting, _) = d.delete_app(&one, false, &[]);
+        assert!(waiting.is_empty(), "{waiting:?}");
     }
 
     #[tokio::test]

@@ -357,6 +357,8 @@ mod tests {
                 "ClusterRoleBinding/flotilla-agent",
                 "Role/flotilla-agent-leader",
                 "RoleBinding/flotilla-agent-leader",
+                "Role/flotilla-agent-webhook-ca",
+                "RoleBinding/flotilla-agent-webhook-ca",
                 "Role/flotilla-agent-credentials",
                 "RoleBinding/flotilla-agent-credentials",
                 "Secret/flotilla-hub-credentials",
@@ -565,7 +567,7 @@ mod tests {
                 ..install()
             };
             let docs = parse(&render(&i).unwrap());
-            prop_assert_eq!(docs.len(), 13);
+            prop_assert_eq!(docs.len(), 15);
             let objects = by_kind_and_name(&docs);
             let secret_doc = objects["Secret/flotilla-hub-credentials"];
             prop_assert_eq!(b64d(&secret_doc["data"]["token"]), i.token.expose_secret());

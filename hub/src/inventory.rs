@@ -87,6 +87,8 @@ pub fn profile(
     let name = member.name_any();
     let status = member.status.clone().unwrap_or_default();
     let uid = status.cluster_uid.clone().filter(|u| !u.is_empty());
+    // The ID the cluster states (its own ClusterProperty) wins over its UID.
+    let cluster_id = status.cluster_id.clone().filter(|i| !i.is_empty());
     let mut labels: BTreeMap<String, String> = member
         .labels()
         .iter()
@@ -118,7 +120,7 @@ pub fn profile(
     meta.owner_references = member.owner_ref(&()).map(|r| vec![r]);
 
     let healthy = healthy(member, now);
-    let joined = joined(member, uid.is_some(), previous, now);
+    let joined = joined(member, uid.is_some() || cluster_id.is_some(), previous, now);
     let observed = status.last_heartbeat_time.clone();
     let mut properties = Vec::new();
     let mut property = |name: &str, value: String| {
@@ -128,8 +130,8 @@ pub fn profile(
             last_observed_time: observed.clone(),
         })
     };
-    if let Some(uid) = &uid {
-        property(CLUSTER_ID_PROPERTY, uid.clone());
+    if let Some(id) = cluster_id.as_ref().or(uid.as_ref()) {
+        property(CLUSTER_ID_PROPERTY, id.clone());
     }
     if let Some(v) = status.agent_version.as_deref().filter(|v| !v.is_empty()) {
         property("flotilla.io/agent-version", v.to_owned());

@@ -51,6 +51,12 @@ const KIND: &str = "membercluster";
 pub const CAPACITY_REPLAN_EVERY: Duration = Duration::from_secs(10);
 /// The hub writes one cluster's capacity at most this often, by default.
 pub const CAPACITY_WRITE_INTERVAL: Duration = Duration::from_secs(60);
+/// Writes of one cluster's status at once, then [`CLUSTER_WRITES_PER_SECOND`]: an agent
+/// that reconnects in a loop, saying another version each time, made one host write per
+/// reconnect (review M2; 100 reconnects in 7 s made 96). A quiet cluster writes a few
+/// times an hour; what waits is written, coalesced, when the bucket refills.
+const CLUSTER_WRITE_BURST: u32 = 5;
+const CLUSTER_WRITES_PER_SECOND: f64 = 0.1;
 
 /// Registered clusters (labels, cordon, readiness, capacity), leaving out those being
 /// deleted, as the store holds them now ([`registered_of`]).
@@ -78,24 +84,47 @@ pub struct MemberChanges {
     pub capacity: u64,
 }
 
-/// Why an agent in the physical cluster `uid` may not speak for `member`: the
-/// credential was first used from another cluster (its pinned `kube-system` UID). Once
-/// pinned, an agent that sends no UID is refused too: otherwise a copied token would
-/// pass by leaving it out. The pin guards against a token copied by mistake; the UID is
-/// what the agent says, so it is no proof of where the agent runs.
-pub fn foreign_cluster(member: &MemberCluster, uid: &str) -> Option<String> {
-    let pinned = member.status.as_ref()?.cluster_uid.as_deref()?;
+/// Why an agent that says it runs in the cluster with `kube-system` UID `uid` and
+/// states the cluster ID `id` (its About API ClusterProperty; empty: none) may not speak
+/// for `member`. The hub pins both, as the first agents sent them; an agent is accepted
+/// when it matches either pin (and `Membership::hello` then pins what it sent): so a
+/// cluster pinned by its UID that gains a ClusterProperty keeps its registration, as
+/// does a cluster rebuilt under the same ClusterProperty. Once something is pinned, an
+/// agent that matches neither pin, or sends neither, is refused: otherwise a copied
+/// token would pass by leaving them out. The pin guards against a token copied by
+/// mistake; what the agent says is no proof of where it runs.
+pub fn foreign_cluster(member: &MemberCluster, uid: &str, id: &str) -> Option<String> {
+    let status = member.status.as_ref()?;
+    fn pinned(p: &Option<String>) -> Option<&str> {
+        p.as_deref().filter(|p| !p.is_empty())
+    }
+    let (pinned_uid, pinned_id) = (pinned(&status.cluster_uid), pinned(&status.cluster_id));
+    let bound = match (pinned_uid, pinned_id) {
+        (None, None) => return None,
+        (Some(u), Some(i)) => format!(
+            "the cluster whose kube-system namespace has UID {u} or whose ClusterProperty cluster.clusterset.k8s.io is {i:?}"
+        ),
+        (Some(u), None) => format!("the cluster whose kube-system namespace has UID {u}"),
+        (None, Some(i)) => {
+            format!("the cluster whose ClusterProperty cluster.clusterset.k8s.io is {i:?}")
+        }
+    };
+    let matches = |pin: Option<&str>, sent: &str| !sent.is_empty() && pin == Some(sent);
+    if matches(pinned_uid, uid) || matches(pinned_id, id) {
+        return None;
+    }
     let bound = format!(
-        "the credential of cluster {:?} is bound to the cluster whose kube-system namespace has UID {pinned}",
+        "the credential of cluster {:?} is bound to {bound}",
         member.name_any()
     );
-    if uid.is_empty() {
-        Some(format!(
-            "{bound}; this agent sent no cluster UID (can it get namespace kube-system?)"
-        ))
-    } else {
-        (pinned != uid).then(|| format!("{bound}; this agent runs in {uid}"))
-    }
+    Some(match (uid.is_empty(), id.is_empty()) {
+        (true, true) => {
+            format!("{bound}; this agent sent no cluster UID (can it get namespace kube-system?)")
+        }
+        (false, true) => format!("{bound}; this agent runs in {uid}"),
+        (true, false) => format!("{bound}; this agent runs in the cluster whose ID is {id:?}"),
+        (false, false) => format!("{bound}; this agent runs in {uid}, whose ID is {id:?}"),
+    })
 }
 
 /// The clusters whose MemberCluster shows `Ready=True` now.
@@ -169,6 +198,7 @@ pub async fn watch_members(
     let api: Api<MemberCluster> = Api::all(client);
     let (mut last_shape, mut last_capacity) = (None, None);
     let mut replan = Debounce::new(CAPACITY_REPLAN_EVERY);
+    let mut used_at: HashMap<String, String> = HashMap::new();
     let mut events = std::pin::pin!(events);
     loop {
         let held = async {
@@ -197,8 +227,15 @@ pub async fn watch_members(
             && let Some(confirmed) = member.annotations().get(CONFIRM_COLLECTION_ANNOTATION)
         {
             let name = member.name_any();
-            if confirm_collection(&api, &dispatcher, &name, confirmed).await {
-                membership.collection_confirmed(&name);
+            let version = member.resource_version().unwrap_or_default();
+            // One use per version of the object: a removal that failed is no standing
+            // approval for the next event.
+            if used_at.get(&name) != Some(&version) {
+                let decision = confirmation(confirmed, membership.blocked(&name));
+                if confirm_collection(&api, &dispatcher, &name, confirmed, decision).await {
+                    membership.collection_confirmed(&name);
+                    used_at.insert(name, version);
+                }
             }
         }
         if matches!(event, watcher::Event::Init | watcher::Event::InitApply(_)) {
@@ -225,51 +262,100 @@ pub async fn watch_members(
     bail!("the MemberCluster watch ended")
 }
 
-/// Sends the cluster's agent a SyncComplete that confirms `confirmed` collections, then
-/// removes the annotation so that it cannot confirm a later, different mass deletion.
-/// Returns whether the confirmation reached the agent (it is connected).
+/// What a user's `flotilla.io/confirm-collection` asks, against what the cluster's agent
+/// holds back.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Confirmation {
+    /// The count the agent holds back, exactly: pass it on.
+    Confirm(u32),
+    /// Nothing held back (yet: after a hub restart the agent says so again when it
+    /// reconnects): left in place, unused.
+    Wait,
+    /// Not a count, or another count than the one held back: removed unused, so that it
+    /// cannot confirm a later, different mass deletion.
+    Refuse(String),
+}
+
+/// Reads a confirmation: only the exact count held back confirms anything.
+pub fn confirmation(value: &str, blocked: Option<(u32, u32)>) -> Confirmation {
+    let Ok(count) = value.trim().parse::<u32>() else {
+        return Confirmation::Refuse(format!("{value:?} is not the number of MyApps to collect"));
+    };
+    match blocked {
+        None => Confirmation::Wait,
+        Some((would_collect, _)) if would_collect == count => Confirmation::Confirm(count),
+        Some((would_collect, _)) => Confirmation::Refuse(format!(
+            "it confirms {count}, but the agent holds back {would_collect}: confirm the number the CollectionBlocked condition shows"
+        )),
+    }
+}
+
+/// Carries out `decision` on the annotation holding `value`: sends the cluster's agent a
+/// SyncComplete that confirms the count, then removes the annotation (only if it still
+/// holds `value`: a JSON patch that tests it first), or removes a refused one. Returns
+/// whether the confirmation reached the agent (it is connected).
 async fn confirm_collection(
     api: &Api<MemberCluster>,
     dispatcher: &Dispatcher,
     cluster: &str,
-    confirmed: &str,
+    value: &str,
+    decision: Confirmation,
 ) -> bool {
-    let Ok(count) = confirmed.parse::<u32>() else {
-        warn!(
-            cluster,
-            value = confirmed,
-            "{CONFIRM_COLLECTION_ANNOTATION} must be the number of MyApps to collect; ignored"
-        );
-        return false;
-    };
-    if !dispatcher.resync(cluster, count) {
+    let used = match decision {
+        Confirmation::Wait => return false,
+        Confirmation::Refuse(why) => {
+            warn!(
+                cluster,
+                "{CONFIRM_COLLECTION_ANNOTATION} ignored and removed: {why}"
+            );
+            false
+        }
         // Held until the agent is connected: it is the one waiting for the word.
-        return false;
-    }
-    info!(
-        cluster,
-        count, "collection confirmed by a user; the agent may collect"
+        Confirmation::Confirm(count) if !dispatcher.resync(cluster, count) => return false,
+        Confirmation::Confirm(count) => {
+            info!(
+                cluster,
+                count, "collection confirmed by a user; the agent may collect"
+            );
+            true
+        }
+    };
+    let path = format!(
+        "/metadata/annotations/{}",
+        CONFIRM_COLLECTION_ANNOTATION
+            .replace('~', "~0")
+            .replace('/', "~1")
     );
-    let patch =
-        serde_json::json!({"metadata": {"annotations": {CONFIRM_COLLECTION_ANNOTATION: null}}});
+    let patch = serde_json::json!([
+        {"op": "test", "path": path, "value": value},
+        {"op": "remove", "path": path},
+    ]);
     if let Err(e) = api
-        .patch(cluster, &PatchParams::default(), &Patch::Merge(&patch))
+        .patch(
+            cluster,
+            &PatchParams::default(),
+            &Patch::Json::<()>(crate::writes::json_patch(patch)),
+        )
         .await
     {
         warn!(cluster, error = %e, "removing {CONFIRM_COLLECTION_ANNOTATION} failed");
     }
-    true
+    used
 }
 
 /// What a held-back collection means and how to confirm it (condition and Event).
 pub fn collection_blocked_message(cluster: &str, would_collect: u32, managed: u32) -> String {
     format!(
         "the agent holds back deleting {would_collect} of its {managed} managed MyApps that the hub no longer wants; \
-         if that is intended, confirm with: kubectl annotate membercluster {cluster} {CONFIRM_COLLECTION_ANNOTATION}={would_collect}"
+         if that is intended, confirm with: kubectl annotate membercluster {cluster} {CONFIRM_COLLECTION_ANNOTATION}={would_collect} \
+         (as someone granted the verb confirm-collection on memberclusters, e.g. by the ClusterRole flotilla-fleet-admin)"
     )
 }
 
 pub use flotilla_crds::CONFIRM_COLLECTION_ANNOTATION;
+
+/// One cluster's CollectionBlocked Events are published at most this often.
+pub const COLLECTION_BLOCKED_EVENT_EVERY: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Clone, Default)]
 struct Member {
@@ -277,8 +363,12 @@ struct Member {
     agent_version: Option<String>,
     kubernetes_version: Option<String>,
     cluster_uid: Option<String>,
+    /// The ID the cluster states (its About API ClusterProperty), if it states one.
+    cluster_id: Option<String>,
     /// The agent's circuit breaker held back this many collections (of so many managed).
     blocked: Option<(u32, u32)>,
+    /// When the last CollectionBlocked Event was published for the cluster.
+    blocked_event: Option<Instant>,
     /// What the agent last reported (it sends only moves of a quantum, rate-limited).
     capacity: Option<ClusterCapacity>,
     /// When this hub last wrote the cluster's capacity.
@@ -293,6 +383,8 @@ pub struct Membership {
     /// Told which clusters are Ready and which agents it heard.
     status: Option<Arc<StatusBoard>>,
     metrics: WriteMetrics,
+    /// Each cluster's write budget, and the clusters whose write waits for it.
+    budgets: Mutex<(HashMap<String, writes::Budget>, HashSet<String>)>,
 }
 
 impl Membership {
@@ -304,7 +396,33 @@ impl Membership {
             capacity_interval: CAPACITY_WRITE_INTERVAL,
             status: None,
             metrics: WriteMetrics::default(),
+            budgets: Mutex::default(),
         }
+    }
+
+    /// Whether `cluster`'s budget allows a write now; if not, it is looked at again at
+    /// the writer's next round.
+    fn budget_allows(&self, cluster: &str, now: Instant) -> bool {
+        let mut budgets = self.budgets.lock();
+        let (buckets, waiting) = &mut *budgets;
+        let bucket = buckets.entry(cluster.to_owned()).or_insert_with(|| {
+            writes::Budget::new(CLUSTER_WRITES_PER_SECOND, CLUSTER_WRITE_BURST, now)
+        });
+        let allowed = bucket.try_take(now);
+        if allowed {
+            waiting.remove(cluster);
+        } else if waiting.insert(cluster.to_owned()) {
+            debug!(
+                cluster,
+                "MemberCluster status write deferred: the cluster's write budget is spent"
+            );
+        }
+        allowed
+    }
+
+    /// The clusters whose write waits for their budget.
+    fn deferred(&self) -> Vec<String> {
+        self.budgets.lock().1.iter().cloned().collect()
     }
 
     /// Tells `status` which clusters are Ready (from the watch) and whose agents this
@@ -336,8 +454,12 @@ impl Membership {
             }
             uid => uid,
         };
+        // The server refused a longer one before the session began.
+        let id =
+            Some(hello.cluster_id.clone()).filter(|i| !i.is_empty() && i.len() <= AGENT_STRING_MAX);
         let mut members = self.members.lock();
         let m = members.entry(cluster.to_owned()).or_default();
+        m.cluster_id = id;
         m.agent_version = Some(capped(hello.agent_version.clone(), AGENT_STRING_MAX));
         m.kubernetes_version = Some(capped(hello.kubernetes_version.clone(), AGENT_STRING_MAX));
         m.cluster_uid = uid;
@@ -361,13 +483,27 @@ impl Membership {
 
     /// The agent held back a collection; shown on the MemberCluster until it connects
     /// again (and collects, or is held back again).
-    pub fn collection_blocked(&self, cluster: &str, would_collect: u32, managed: u32) {
-        self.members
-            .lock()
-            .entry(cluster.to_owned())
-            .or_default()
-            .blocked = Some((would_collect, managed));
+    /// Whether to publish a CollectionBlocked Event now: at most one per cluster every
+    /// [`COLLECTION_BLOCKED_EVENT_EVERY`], across its sessions (review M2: an agent
+    /// repeating the message made one host write each). The condition always shows the
+    /// latest figures.
+    pub fn collection_blocked(
+        &self,
+        cluster: &str,
+        (would_collect, managed): (u32, u32),
+        now: Instant,
+    ) -> bool {
+        let mut members = self.members.lock();
+        let m = members.entry(cluster.to_owned()).or_default();
+        m.blocked = Some((would_collect, managed));
+        let event = (m.blocked_event)
+            .is_none_or(|at| now.saturating_duration_since(at) >= COLLECTION_BLOCKED_EVENT_EVERY);
+        if event {
+            m.blocked_event = Some(now);
+        }
+        drop(members);
         self.dirty.mark(cluster.to_owned());
+        event
     }
 
     /// The cluster's room for more pods, for `replicaScheduling.mode: Capacity`: written
@@ -381,6 +517,11 @@ impl Membership {
         m.capacity = Some(capacity);
         drop(members);
         self.dirty.mark(cluster.to_owned());
+    }
+
+    /// What the cluster's agent holds back, if anything: (would collect, managed).
+    pub fn blocked(&self, cluster: &str) -> Option<(u32, u32)> {
+        self.members.lock().get(cluster).and_then(|m| m.blocked)
     }
 
     /// A user confirmed the held-back collection and the agent got the word: the
@@ -458,6 +599,13 @@ impl Membership {
             let old = to_value(previous);
             if to_value(Some(&status)) == old {
                 tracker.unchanged(&name);
+                self.budgets.lock().1.remove(&name);
+                continue;
+            }
+            // Readiness turning is written at once: it moves placement (failover), and
+            // an agent can turn it at most once per grace period.
+            if !turned && !self.budget_allows(&name, now) {
+                self.metrics.result(KIND, "deferred");
                 continue;
             }
             let beat = m.and_then(|m| m.last_heartbeat).map(|(_, t)| Time(t));
@@ -504,6 +652,7 @@ impl Membership {
             };
             let mut marked: HashSet<String> = marked.into_iter().collect();
             marked.extend(tracker.due(Instant::now()));
+            marked.extend(self.deferred());
             let due = self.due(&marked, store, since, &mut tracker);
             self.metrics.backlog(KIND, due.len());
             for (write, capacity) in due {
@@ -599,6 +748,10 @@ impl Membership {
             cluster_uid: remembered(
                 m.and_then(|m| m.cluster_uid.as_ref()),
                 previous.and_then(|p| p.cluster_uid.as_ref()),
+            ),
+            cluster_id: remembered(
+                m.and_then(|m| m.cluster_id.as_ref()),
+                previous.and_then(|p| p.cluster_id.as_ref()),
             ),
             last_heartbeat_time: previous.and_then(|p| p.last_heartbeat_time.clone()),
             agent_version: remembered(

@@ -249,7 +249,11 @@ impl Effects for Writes<'_> {
     }
 
     fn delete_app(&mut self, key: &AppKey, orphan: bool, placed: &[String]) -> Vec<String> {
-        self.dispatcher.delete_app(key, orphan, placed)
+        let (waiting, unheeded) = self.dispatcher.delete_app(key, orphan, placed);
+        if !unheeded.is_empty() {
+            self.notices.claims_unheeded(key, unheeded);
+        }
+        waiting
     }
 
     fn drop_app(&mut self, key: &AppKey, orphan: bool, replaced: bool) {
@@ -338,15 +342,16 @@ pub async fn watch_grants(
     anyhow::bail!("the ClusterGrant watch ended")
 }
 
-/// The apps a watch shows applied: each new object or new generation once. Those of a
+/// The apps a watch shows applied: each new object, new generation or arrival of the
+/// hub's finalizer once. Those of a
 /// (re-)list only at its `InitDone`, when the store shows them: the planner reads the
 /// app from the store, and a trigger it took while the store still held the old object
 /// would plan that, and no later trigger would come for the new generation (a deletion
 /// or a placement change made while the watch was down would never be planned).
 #[derive(Default)]
 struct Applied {
-    /// The UID and generation last handed on, by app.
-    seen: HashMap<AppKey, (Option<String>, Option<i64>)>,
+    /// The UID, generation and whether the hub's finalizer was on, last handed on, by app.
+    seen: HashMap<AppKey, (Option<String>, Option<i64>, bool)>,
     /// The list in progress, from `Init` to `InitDone`.
     relist: Option<Vec<FederatedMyApp>>,
 }
@@ -375,7 +380,10 @@ impl Applied {
     }
 
     fn is_new(&mut self, app: &FederatedMyApp) -> bool {
-        let now = (app.uid(), app.metadata.generation);
+        // The hub's finalizer arriving on a live app is news too: the planner sends
+        // nothing before it. (Its removal once a deletion is done is not.)
+        let held = app.metadata.deletion_timestamp.is_none() && planner::held_by_hub(app);
+        let now = (app.uid(), app.metadata.generation, held);
         self.seen.insert(key_of(app), now.clone()) != Some(now)
     }
 }
@@ -446,6 +454,8 @@ impl<K: ResourceExt, Key: Hash + Eq + Clone, V> Departures<K, Key, V> {
 mod tests {
     use super::*;
     use flotilla_crds::federated::ORPHAN_ANNOTATION;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use k8s_openapi::jiff::Timestamp;
 
     fn named(name: &str, uid: &str, orphan: bool) -> FederatedMyApp {
         let mut a: FederatedMyApp = serde_yaml::from_str(&format!(
@@ -562,7 +572,31 @@ mod tests {
             [("a".into(), Some(3))]
         );
         applied.take(Delete(a_again.clone()));
-        assert_eq!(names(applied.take(Apply(a_again))), [("a".into(), Some(3))]);
+        assert_eq!(
+            names(applied.take(Apply(a_again.clone()))),
+            [("a".into(), Some(3))]
+        );
+        // The hub's finalizer arriving hands it on (the planner sent nothing before);
+        // its removal at the end of a deletion does not.
+        let mut held = a_again;
+        held.finalizers_mut()
+            .push(crate::controller::FINALIZER.into());
+        assert_eq!(
+            names(applied.take(Apply(held.clone()))),
+            [("a".into(), Some(3))]
+        );
+        assert!(applied.take(Apply(held.clone())).is_empty(), "once");
+        let mut deleting = at(held, 4);
+        deleting.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+        assert_eq!(
+            names(applied.take(Apply(deleting.clone()))),
+            [("a".into(), Some(4))]
+        );
+        deleting.finalizers_mut().clear();
+        assert!(
+            applied.take(Apply(deleting)).is_empty(),
+            "released: no news"
+        );
     }
 
     /// Rule 2 for the grants: nothing is planned, and no agent admitted, until the

@@ -366,10 +366,12 @@ impl Renewer {
     }
 
     async fn patch(&self, cluster: &str, patch: serde_json::Value) -> Result<(), kube::Error> {
-        let patch: json_patch::Patch =
-            serde_json::from_value(patch).expect("a JSON patch written above");
         self.api
-            .patch(cluster, &PatchParams::default(), &Patch::Json::<()>(patch))
+            .patch(
+                cluster,
+                &PatchParams::default(),
+                &Patch::Json::<()>(crate::writes::json_patch(patch)),
+            )
             .await
             .map(drop)
     }

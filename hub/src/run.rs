@@ -75,6 +75,12 @@ pub struct RunArgs {
     /// a third of this left; a token past it is refused (`join --rotate` issues a new one).
     #[arg(long, default_value = "30d", value_parser = parse_lifetime, env = "FLOTILLA_TOKEN_LIFETIME")]
     pub token_lifetime: Duration,
+    /// A deletion waits at most this long for a cluster whose agent only claims the
+    /// MyApp (this hub never placed or sent it there, and the spec does not place it
+    /// there); it is sent the Delete all the same. Clusters the hub placed it on, and
+    /// every cluster of an orphaning delete, are waited for however long it takes.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    pub claim_wait: Duration,
     /// Names this instance in Events (the pod name in a cluster).
     #[arg(long, env = "POD_NAME")]
     pub instance: Option<String>,
@@ -190,7 +196,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         .context("loading the serving certificate")?;
     let tls = serving.server_config();
 
-    let dispatcher = Arc::new(Dispatcher::default());
+    let dispatcher = Arc::new(Dispatcher::with_claim_wait(args.claim_wait));
     let mut metrics = Metrics::default();
     dispatcher.metrics.register(metrics.registry_mut());
     let readiness = Readiness::default();

@@ -208,7 +208,7 @@ impl Federation for FederationService {
             )));
         }
         if let Some(why) = auth::member(&self.members, &cluster)
-            .and_then(|m| membership::foreign_cluster(&m, &hello.cluster_uid))
+            .and_then(|m| membership::foreign_cluster(&m, &hello.cluster_uid, &hello.cluster_id))
         {
             warn!(%cluster, "{why}");
             return Err(Status::permission_denied(why));
@@ -416,6 +416,7 @@ async fn receive_loop(
     } = session;
     let cluster = queue.cluster().to_owned();
     let mut ignored = Throttle::new(WARN_EVERY);
+    let mut blocked_said = Throttle::new(WARN_EVERY);
     loop {
         let message = tokio::select! {
             _ = queue.closed.cancelled() => break,
@@ -445,12 +446,16 @@ async fn receive_loop(
             Ok(Some(pb::AgentMessage {
                 kind: Some(agent_message::Kind::CollectionBlocked(b)),
             })) => {
-                warn!(%cluster, would_collect = b.would_collect, managed = b.managed, "the agent's circuit breaker holds back orphan collection");
+                if let Some(held_back) = blocked_said.said(Instant::now()) {
+                    warn!(%cluster, would_collect = b.would_collect, managed = b.managed, held_back, "the agent's circuit breaker holds back orphan collection");
+                }
                 dispatcher
                     .metrics
                     .collection_blocked(&cluster, b.would_collect);
-                membership.collection_blocked(&cluster, b.would_collect, b.managed);
-                collection_blocked_event(&recorder, &members, &cluster, &b).await;
+                let figures = (b.would_collect, b.managed);
+                if membership.collection_blocked(&cluster, figures, tokio::time::Instant::now()) {
+                    collection_blocked_event(&recorder, &members, &cluster, &b).await;
+                }
             }
             Ok(Some(pb::AgentMessage {
                 kind: Some(agent_message::Kind::Capacity(c)),

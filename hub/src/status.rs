@@ -55,7 +55,7 @@ pub type PlanErrors = (
 );
 
 /// One app's plan as the board holds it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Planned {
     pub plan: AppPlan,
     /// The app is being deleted and these clusters have not confirmed it.

@@ -30,6 +30,12 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+/// A JSON patch (RFC 6902) from its operations written as JSON: the hub's conditional
+/// writes (a `test` first), which a merge patch cannot express.
+pub fn json_patch(ops: Value) -> json_patch::Patch {
+    serde_json::from_value(ops).expect("JSON patch operations written by the hub")
+}
+
 /// The field manager of every status the hub writes.
 pub const FIELD_MANAGER: &str = "flotilla-hub";
 
@@ -387,6 +393,19 @@ impl Budget {
             tokens: burst,
             last: now,
         }
+    }
+
+    /// Takes one write if the bucket holds one now; never runs into debt (what is
+    /// refused waits for a later look).
+    pub fn try_take(&mut self, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.last).as_secs_f64();
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.burst);
+        self.last = now;
+        let taken = self.tokens >= 1.0;
+        if taken {
+            self.tokens -= 1.0;
+        }
+        taken
     }
 
     /// Reserves one write: how long to wait before making it (a write beyond the

@@ -461,4 +461,11 @@ async fn cut_and_refused_input_is_counted() {
     let result = client::open_session(&mut c2, odd, 4).await;
     assert_eq!(refused(result), Code::InvalidArgument);
     assert_eq!(hub.refusals.get(Refusal::LongString), 2);
+    // So is a stated cluster ID (the About API's ClusterProperty) past that length.
+    let mut c2 = hub.connect("c2").await;
+    let mut odd = hello("c2");
+    odd.cluster_id = "i".repeat(129);
+    let result = client::open_session(&mut c2, odd, 4).await;
+    assert_eq!(refused(result), Code::InvalidArgument);
+    assert_eq!(hub.refusals.get(Refusal::LongString), 3);
 }

@@ -307,12 +307,18 @@ pub async fn wait_http_ok(name: &str, http: &str, path: &str) -> Result<()> {
 /// Starts the hub and one agent per member unless they already run; returns when every
 /// MemberCluster is Ready.
 /// The hub's identity on the host as deploy/hub gives it: applies that kustomization's
-/// Namespace, RBAC and FlowSchema (its Lease requests in `leader-election`), and writes
+/// Namespace, RBAC, admission policies (so that every suite runs the hub under them) and
+/// FlowSchema (its Lease requests in `leader-election`), and writes
 /// a kubeconfig (in `dir`) with a token of its ServiceAccount, so that the hub runs with
 /// exactly those permissions.
 fn hub_identity(host_kubeconfig: &Path, dir: &Path) -> Result<PathBuf> {
     let deploy = crate::support::workspace_root().join("deploy/hub");
-    for file in ["namespace.yaml", "rbac.yaml", "flowschema.yaml"] {
+    for file in [
+        "namespace.yaml",
+        "rbac.yaml",
+        "admission.yaml",
+        "flowschema.yaml",
+    ] {
         let path = deploy.join(file);
         kubectl(host_kubeconfig, &["apply", "-f", &path.to_string_lossy()])?;
     }
@@ -438,6 +444,8 @@ pub async fn up(env: &Env) -> Result<Federation> {
                     format!("--http-addr={http}"),
                     format!("--webhook-addr={webhook}"),
                     format!("--webhook-url=https://{webhook}/convert"),
+                    // The webhook's CA, shared with a second agent of the member, beside the Lease.
+                    "--webhook-ca-secret=default/flotilla-agent-webhook-ca".into(),
                     format!("--heartbeat={}s", HEARTBEAT.as_secs()),
                     format!("--capacity-interval={}s", CAPACITY_INTERVAL.as_secs()),
                     // One active agent per member, as the install runs it.

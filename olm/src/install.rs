@@ -103,8 +103,33 @@ fn adapt_to_olm(install: &mut Install) -> Result<(), String> {
     if args.len() + 1 != before {
         return Err("expected exactly one --webhook-service argument to replace".into());
     }
+    // A mounted certificate needs no CA of the agent's: its Secret, and the rights on it
+    // (the only Secret the agent creates), go too.
+    let ca_secret = args
+        .iter()
+        .find_map(|a| a.as_str()?.strip_prefix("--webhook-ca-secret="))
+        .map(|r| r.rsplit('/').next().unwrap_or(r).to_owned());
+    args.retain(|a| {
+        !a.as_str()
+            .is_some_and(|a| a.starts_with("--webhook-ca-secret="))
+    });
     args.push(json!(format!("--webhook-cert={OLM_CERT_DIR}/tls.crt")));
     args.push(json!(format!("--webhook-key={OLM_CERT_DIR}/tls.key")));
+    if let Some(secret) = ca_secret {
+        let before = install.namespace_rules.len();
+        install.namespace_rules.retain(|rule| {
+            let secrets = rule["resources"] == json!(["secrets"]);
+            let names = rule.get("resourceNames");
+            !(secrets
+                && (names == Some(&json!([secret]))
+                    || (names.is_none() && rule["verbs"] == json!(["create"]))))
+        });
+        if install.namespace_rules.len() + 2 != before {
+            return Err(format!(
+                "expected a create rule on Secrets and a get rule on the Secret {secret} to drop"
+            ));
+        }
+    }
     let crd_name = install.crd["metadata"]["name"].clone();
     let before = install.cluster_rules.len();
     install.cluster_rules.retain(|rule| {
@@ -234,11 +259,15 @@ mod tests {
                  "resourceNames": ["things.example.com"], "verbs": ["patch"]}]}),
             json!({"kind": "ClusterRoleBinding", "metadata": {"name": "c"},
                    "roleRef": {"kind": "ClusterRole", "name": "c"}, "subjects": account}),
-            json!({"kind": "Role", "metadata": {"name": "r", "namespace": "ns"}, "rules": [{"verbs": ["create"]}]}),
+            json!({"kind": "Role", "metadata": {"name": "r", "namespace": "ns"}, "rules": [
+                {"verbs": ["create"]},
+                {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+                {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["ca"], "verbs": ["get"]},
+                {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["token"], "verbs": ["get"]}]}),
             json!({"kind": "RoleBinding", "metadata": {"name": "r", "namespace": "ns"},
                    "roleRef": {"kind": "Role", "name": "r"}, "subjects": account}),
             json!({"kind": "Deployment", "metadata": {"name": "a", "namespace": "ns"}, "spec": {"template": {"spec": {
-                "containers": [{"args": ["operator", "--webhook-service=ns/a"],
+                "containers": [{"args": ["operator", "--webhook-service=ns/a", "--webhook-ca-secret=ns/ca"],
                                 "ports": [{"name": "webhook", "containerPort": 9443}]}]}}}}),
             json!({"kind": "Service", "metadata": {"name": "a", "namespace": "ns"},
                    "spec": {"ports": [{"name": "webhook", "port": 443, "targetPort": "webhook"}]}}),
@@ -263,7 +292,14 @@ mod tests {
             1,
             "the rule on the CRD is OLM's now"
         );
-        assert_eq!(install.namespace_rules, [json!({"verbs": ["create"]})]);
+        assert_eq!(
+            install.namespace_rules,
+            [
+                json!({"verbs": ["create"]}),
+                json!({"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["token"], "verbs": ["get"]})
+            ],
+            "the webhook CA's Secret rules go with the CA"
+        );
         assert_eq!(
             (install.webhook_port, install.webhook_target_port),
             (443, 9443)

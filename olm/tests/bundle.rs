@@ -50,7 +50,11 @@ fn the_operators_deployment_is_deploy_bases_but_for_the_webhook_certificate_and_
         let container = &mut expected["template"]["spec"]["containers"][0];
         container["image"] = json!(format!("{REGISTRY}/flotilla-agent:{version}"));
         let args = container["args"].as_array_mut().unwrap();
-        args.retain(|a| a != "--webhook-service=flotilla-system/flotilla-agent");
+        // OLM's mounted certificate replaces the Service endpoint and the agent's own CA.
+        args.retain(|a| {
+            a != "--webhook-service=flotilla-system/flotilla-agent"
+                && a != "--webhook-ca-secret=flotilla-system/flotilla-agent-webhook-ca"
+        });
         args.push(json!(
             "--webhook-cert=/tmp/k8s-webhook-server/serving-certs/tls.crt"
         ));

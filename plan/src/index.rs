@@ -7,9 +7,16 @@
 //! back to an older generation; a deletion waits for every registered cluster that has
 //! the MyApp, may have it (an Apply in flight), or is not connected to say; a cluster is
 //! known not to hold a MyApp only from its agent's own word (Hello or a report).
+//!
+//! A cluster's word is not enough to hold a deletion forever, though: a cluster that only
+//! *claims* an app (this hub never placed or sent it there, and the app's spec does not
+//! place it there) is sent the Delete and waited for at most [`CLAIM_WAIT`] (review H2: a
+//! lying agent claiming `ns/x` in its Hello stalled the deletion of `ns/x` until an admin
+//! unjoined it). Time is passed in, never read here.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 pub use flotilla_crds::AppKey;
 
@@ -110,6 +117,18 @@ fn is_apply(want: &Desired) -> bool {
     matches!(want, Desired::Apply(_))
 }
 
+/// How long a deletion waits for a cluster that only claims the app, by default.
+pub const CLAIM_WAIT: Duration = Duration::from_secs(600);
+
+#[derive(Debug)]
+struct ClaimWait(Duration);
+
+impl Default for ClaimWait {
+    fn default() -> Self {
+        Self(CLAIM_WAIT)
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct Index {
     /// cluster → app → desired state.
@@ -132,9 +151,23 @@ pub struct Index {
     /// cluster → apps its agent reported drifted this session, whose Apply was sent
     /// again once: a drift the Apply cannot undo is not answered again until it clears.
     drifted: HashMap<String, HashSet<AppKey>>,
+    /// app being deleted → clusters waited for only on their own claim, and when that
+    /// wait ends.
+    claimed: HashMap<AppKey, BTreeMap<String, Instant>>,
+    claim_wait: ClaimWait,
+    /// Claims whose wait ended since the last [`Index::take_unheeded_claims`].
+    unheeded: Vec<(AppKey, String)>,
 }
 
 impl Index {
+    /// An index whose deletions wait `wait` for a cluster that only claims the app.
+    pub fn with_claim_wait(wait: Duration) -> Self {
+        Self {
+            claim_wait: ClaimWait(wait),
+            ..Self::default()
+        }
+    }
+
     /// Makes `plan` the app's desired state; clusters outside it lose the app. A plan
     /// for an older generation than one already planned, or for an app being deleted,
     /// changes nothing.
@@ -188,14 +221,23 @@ impl Index {
         pushes
     }
 
-    /// Starts (or continues) deleting an app: every cluster that has or may have it gets
-    /// a Delete and is waited for. `also` names the registered clusters its spec places
-    /// it on, which must confirm too even if this hub never saw them hold it (after a
-    /// restart, say).
-    pub fn delete_app(&mut self, key: &AppKey, orphan: bool, also: &[String]) -> Vec<Push> {
-        let mut candidates: BTreeSet<String> = self.placed.remove(key).unwrap_or_default();
-        candidates.extend(self.departed.remove(key).unwrap_or_default());
-        candidates.extend(also.iter().cloned());
+    /// Starts (or continues: called again until it is over) deleting an app: every
+    /// cluster that has or may have it gets a Delete and is waited for. `also` names the
+    /// registered clusters its spec places it on, which must confirm too even if this hub
+    /// never saw them hold it (after a restart, say). A cluster that only claims the app
+    /// is waited for until `now` is past the claim wait, then left out (see
+    /// [`Index::take_unheeded_claims`]).
+    pub fn delete_app(
+        &mut self,
+        key: &AppKey,
+        orphan: bool,
+        also: &[String],
+        now: Instant,
+    ) -> Vec<Push> {
+        let mut trusted: BTreeSet<String> = self.placed.remove(key).unwrap_or_default();
+        trusted.extend(self.departed.remove(key).unwrap_or_default());
+        trusted.extend(also.iter().cloned());
+        let mut candidates = trusted.clone();
         candidates.extend(
             self.present
                 .iter()
@@ -205,6 +247,7 @@ impl Index {
         let mut pushes = Vec::new();
         let shared = Arc::new(key.clone());
         let waiting = self.deleting.entry(key.clone()).or_default();
+        let claimed = self.claimed.entry(key.clone()).or_default();
         for cluster in candidates {
             let before = self.desired.remove(&cluster, key);
             let held = self.present.get(&cluster).map(|apps| apps.contains(key));
@@ -217,6 +260,23 @@ impl Index {
             if !may_hold {
                 continue;
             }
+            // Waited for on the hub's own word (now, or by an earlier call): for good.
+            // Only on its agent's claim: for a while, unless the app is orphaned: a
+            // copy the claimer really holds would otherwise be collected (deleted) at its
+            // next sync instead of released, so an orphaning delete waits as before.
+            let claim_only = !orphan
+                && !trusted.contains(&cluster)
+                && (claimed.contains_key(&cluster) || !waiting.contains(&cluster));
+            if !claim_only {
+                claimed.remove(&cluster);
+            } else if let Some(ends) = claimed.get(&cluster) {
+                if now >= *ends {
+                    continue;
+                }
+            } else {
+                // First heard of: sent the Delete at least once, however short the wait.
+                claimed.insert(cluster.clone(), now + self.claim_wait.0);
+            }
             if held.is_some() && before != Some(Desired::Release) {
                 pushes.push((cluster.clone(), key.clone(), Change::Delete { orphan }));
             }
@@ -227,18 +287,33 @@ impl Index {
             }
             waiting.insert(cluster);
         }
+        // Also those no longer connected, which the loop above does not visit.
+        for (cluster, ends) in claimed.iter() {
+            if now >= *ends && !trusted.contains(cluster) && waiting.remove(cluster) {
+                self.unheeded.push((key.clone(), cluster.clone()));
+            }
+        }
+        if claimed.is_empty() {
+            self.claimed.remove(key);
+        }
         pushes
+    }
+
+    /// The (app, cluster) pairs whose claim-only wait ended since the last call: the
+    /// deletion went on without them (the hub says so in an Event and its log).
+    pub fn take_unheeded_claims(&mut self) -> Vec<(AppKey, String)> {
+        std::mem::take(&mut self.unheeded)
     }
 
     /// The app vanished from the host without its finalizer (removed by hand): delete it
     /// now like any deletion rather than by surprise at the next restart, and forget it
     /// once every cluster confirmed. Unknown apps (our own finalizer already released
     /// them) change nothing.
-    pub fn drop_app(&mut self, key: &AppKey, orphan: bool) -> Vec<Push> {
+    pub fn drop_app(&mut self, key: &AppKey, orphan: bool, now: Instant) -> Vec<Push> {
         if !self.placed.contains_key(key) && !self.deleting.contains_key(key) {
             return Vec::new();
         }
-        let pushes = self.delete_app(key, orphan, &[]);
+        let pushes = self.delete_app(key, orphan, &[], now);
         if self.deleting.get(key).is_some_and(BTreeSet::is_empty) {
             self.forget(key);
         } else {
@@ -254,13 +329,14 @@ impl Index {
     /// MyApps again (rule 1), so a deletion under way is called off and the next
     /// [`Index::set_app`] deletes only what the new plan leaves out. Releases go on as
     /// [`Index::drop_app`] does them.
-    pub fn replace_app(&mut self, key: &AppKey, orphan: bool) -> Vec<Push> {
+    pub fn replace_app(&mut self, key: &AppKey, orphan: bool, now: Instant) -> Vec<Push> {
         let releasing =
             (self.desired.by_cluster.values()).any(|apps| apps.get(key) == Some(&Desired::Release));
         if orphan || releasing {
-            return self.drop_app(key, true);
+            return self.drop_app(key, true, now);
         }
         self.deleting.remove(key);
+        self.claimed.remove(key);
         self.unowned.remove(key);
         self.generation.remove(key);
         Vec::new()
@@ -283,6 +359,7 @@ impl Index {
     /// Forgets a deleted app once its finalizer is gone.
     pub fn forget(&mut self, key: &AppKey) {
         self.deleting.remove(key);
+        self.claimed.remove(key);
         self.unowned.remove(key);
         self.generation.remove(key);
         self.departed.remove(key);
@@ -310,6 +387,10 @@ impl Index {
         self.desired.retain_clusters(registered);
         self.present.retain(|c, _| registered.contains(c));
         self.drifted.retain(|c, _| registered.contains(c));
+        self.claimed.retain(|_, clusters| {
+            clusters.retain(|c, _| registered.contains(c));
+            !clusters.is_empty()
+        });
         for clusters in self.placed.values_mut() {
             clusters.retain(|c| registered.contains(c));
         }
@@ -462,12 +543,17 @@ impl Index {
     /// was taken off it without a word since, or last said it holds (a MyApp that just
     /// left its placement). Status for anything else is refused.
     pub fn is_placed(&self, cluster: &str, key: &AppKey) -> bool {
+        self.is_assigned(cluster, key) || self.present.get(cluster).is_some_and(|p| p.contains(key))
+    }
+
+    /// Whether `key` is this cluster's on the hub's own word: an app it should have, is
+    /// deleting, or was taken off it without a word since (not one it only claims).
+    pub fn is_assigned(&self, cluster: &str, key: &AppKey) -> bool {
         self.desired
             .get(cluster)
             .is_some_and(|d| d.contains_key(key))
             || self.deleting.get(key).is_some_and(|w| w.contains(cluster))
             || self.departed.get(key).is_some_and(|d| d.contains(cluster))
-            || self.present.get(cluster).is_some_and(|p| p.contains(key))
     }
 
     /// Number of (cluster, app) pairs with an `Apply`.
@@ -480,6 +566,12 @@ impl Index {
 mod tests {
     use super::*;
     use bytes::Bytes;
+
+    /// The tests' clock: one instant, moved on by hand where time matters.
+    fn now() -> Instant {
+        static T0: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        *T0.get_or_init(Instant::now)
+    }
 
     fn rendered(hash: &str) -> Desired {
         Desired::Apply(Arc::new(RenderedMyApp {
@@ -599,7 +691,7 @@ mod tests {
         ix.connect("c1", &hello(&[("a", "h")]));
         // c2 never connected: it is waited for, and gets its Delete through orphan
         // collection when it does.
-        let pushes = ix.delete_app(&key("a"), false, &[]);
+        let pushes = ix.delete_app(&key("a"), false, &[], now());
         assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=false")]);
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1", "c2"]);
         ix.report("c1", &key("a"), Held::Absent);
@@ -619,7 +711,7 @@ mod tests {
     fn delete_skips_connected_clusters_that_do_not_hold_it() {
         let mut ix = Index::default();
         ix.connect("c1", &HashMap::new());
-        let pushes = ix.delete_app(&key("a"), false, &["c1".into()]);
+        let pushes = ix.delete_app(&key("a"), false, &["c1".into()], now());
         assert!(pushes.is_empty());
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
     }
@@ -627,7 +719,7 @@ mod tests {
     #[test]
     fn disconnected_spec_clusters_are_waited_for_after_a_hub_restart() {
         let mut ix = Index::default();
-        ix.delete_app(&key("a"), false, &["c1".into()]);
+        ix.delete_app(&key("a"), false, &["c1".into()], now());
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
         ix.connect("c1", &HashMap::new());
         assert!(
@@ -645,10 +737,10 @@ mod tests {
             plan(&[("c1", rendered("h")), ("c2", rendered("h"))]),
         );
         ix.connect("c1", &hello(&[("a", "h")]));
-        let pushes = ix.delete_app(&key("a"), true, &[]);
+        let pushes = ix.delete_app(&key("a"), true, &[], now());
         assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=true")]);
         assert!(
-            ix.delete_app(&key("a"), true, &[]).is_empty(),
+            ix.delete_app(&key("a"), true, &[], now()).is_empty(),
             "a retried cleanup does not resend"
         );
         let (pushes, keys) = ix.connect("c2", &hello(&[("a", "h")]));
@@ -669,12 +761,118 @@ mod tests {
     }
 
     #[test]
+    fn a_cluster_that_only_claims_an_app_is_waited_for_until_the_claim_wait_ends() {
+        let wait = Duration::from_secs(10);
+        let mut ix = Index::with_claim_wait(wait);
+        // c1 says Hello holding other/app, which this hub never placed or sent anywhere.
+        let claimed = AppKey::new("other", "app");
+        ix.connect("c1", &HashMap::from([(claimed.clone(), "h".to_owned())]));
+        let pushes = ix.delete_app(&claimed, false, &[], now());
+        assert_eq!(kinds(&pushes), [t("c1", "app", "delete orphan=false")]);
+        assert_eq!(ix.deletion_waiting_on(&claimed), ["c1"]);
+        ix.delete_app(
+            &claimed,
+            false,
+            &[],
+            now() + wait - Duration::from_millis(1),
+        );
+        assert_eq!(ix.deletion_waiting_on(&claimed), ["c1"], "within the wait");
+        assert!(ix.take_unheeded_claims().is_empty());
+        ix.delete_app(&claimed, false, &[], now() + wait);
+        assert!(ix.deletion_waiting_on(&claimed).is_empty(), "past the wait");
+        assert_eq!(
+            ix.take_unheeded_claims(),
+            [(claimed.clone(), "c1".to_owned())]
+        );
+        ix.delete_app(&claimed, false, &[], now() + wait * 2);
+        assert!(
+            ix.deletion_waiting_on(&claimed).is_empty(),
+            "not waited for again"
+        );
+        assert!(ix.take_unheeded_claims().is_empty(), "said once");
+    }
+
+    /// An orphaning delete waits for a claimer however long it takes: past the wait its
+    /// copy would be collected, not released, when it syncs again.
+    #[test]
+    fn an_orphaning_delete_waits_for_a_claimer_for_good() {
+        let mut ix = Index::with_claim_wait(Duration::ZERO);
+        ix.connect("c1", &hello(&[("a", "h")]));
+        let pushes = ix.delete_app(&key("a"), true, &[], now());
+        assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=true")]);
+        ix.delete_app(&key("a"), true, &[], now() + Duration::from_secs(86_400));
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
+        assert!(ix.take_unheeded_claims().is_empty());
+        ix.report("c1", &key("a"), Held::Absent);
+        assert!(ix.deletion_waiting_on(&key("a")).is_empty(), "released");
+    }
+
+    #[test]
+    fn a_claim_is_sent_its_delete_even_with_no_wait() {
+        let mut ix = Index::with_claim_wait(Duration::ZERO);
+        ix.connect("c1", &hello(&[("a", "h")]));
+        let pushes = ix.delete_app(&key("a"), false, &[], now());
+        assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=false")]);
+        assert!(ix.deletion_waiting_on(&key("a")).is_empty());
+        assert_eq!(ix.take_unheeded_claims(), [(key("a"), "c1".to_owned())]);
+    }
+
+    #[test]
+    fn a_claiming_cluster_that_went_away_is_not_waited_for_past_the_claim_wait() {
+        let wait = Duration::from_secs(10);
+        let mut ix = Index::with_claim_wait(wait);
+        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.delete_app(&key("a"), false, &[], now());
+        ix.disconnect("c1");
+        ix.delete_app(&key("a"), false, &[], now() + wait);
+        assert!(ix.deletion_waiting_on(&key("a")).is_empty());
+        assert_eq!(ix.take_unheeded_claims(), [(key("a"), "c1".to_owned())]);
+    }
+
+    #[test]
+    fn a_cluster_the_hub_placed_sent_or_the_spec_names_is_waited_for_however_long_it_takes() {
+        let mut ix = Index::with_claim_wait(Duration::from_secs(10));
+        let later = now() + Duration::from_secs(86_400 * 365);
+        // c1: placed and held; c2: the plan took it off while its agent was away; c3:
+        // the spec places it there (a hub restarted since it was applied), and c3 holds it.
+        ix.set_app(
+            &key("a"),
+            None,
+            plan(&[("c1", rendered("h")), ("c2", rendered("h"))]),
+        );
+        ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
+        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.connect("c3", &hello(&[("a", "h")]));
+        ix.delete_app(&key("a"), false, &["c3".into()], now());
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1", "c2", "c3"]);
+        for at in [now() + Duration::from_secs(11), later] {
+            ix.delete_app(&key("a"), false, &["c3".into()], at);
+            assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1", "c2", "c3"]);
+        }
+        // Even once the spec no longer names c3 (the recheck passes what it places now).
+        ix.delete_app(&key("a"), false, &[], later);
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1", "c2", "c3"]);
+        assert!(ix.take_unheeded_claims().is_empty());
+        // An Apply in flight to a connected agent that has not reported it yet.
+        ix.set_app(&key("b"), None, plan(&[("c4", rendered("h"))]));
+        ix.connect("c4", &HashMap::new());
+        ix.delete_app(&key("b"), false, &[], now());
+        ix.delete_app(&key("b"), false, &[], later);
+        assert_eq!(ix.deletion_waiting_on(&key("b")), ["c4"]);
+    }
+
+    #[test]
     fn status_is_accepted_only_for_placed_apps() {
         let mut ix = Index::default();
         ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
         assert!(ix.is_placed("c1", &key("a")));
         assert!(!ix.is_placed("c2", &key("a")));
         assert!(!ix.is_placed("c1", &key("b")));
+        // Claimed in a Hello: reported on, but not the hub's word.
+        ix.connect("c2", &hello(&[("b", "h")]));
+        assert!(ix.is_placed("c2", &key("b")));
+        assert!(!ix.is_assigned("c2", &key("b")));
+        assert!(ix.is_assigned("c1", &key("a")));
     }
 
     #[test]
@@ -745,13 +943,13 @@ mod tests {
             }
             Op::Delete(a, orphan, also) => {
                 let also: Vec<String> = also.into_iter().map(cluster).collect();
-                ix.delete_app(&app(a), orphan, &also);
+                ix.delete_app(&app(a), orphan, &also, now());
             }
             Op::Drop(a, orphan) => {
-                ix.drop_app(&app(a), orphan);
+                ix.drop_app(&app(a), orphan, now());
             }
             Op::Replace(a, orphan) => {
-                ix.replace_app(&app(a), orphan);
+                ix.replace_app(&app(a), orphan, now());
             }
             Op::Forget(a) => ix.forget(&app(a)),
             Op::Retain(clusters) => {
@@ -769,6 +967,37 @@ mod tests {
                 let held =
                     [Held::Present, Held::Absent, Held::Failed, Held::Drifted][usize::from(held)];
                 ix.report(&cluster(c), &app(a), held);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// Rule 3 against the claim wait: time lets a deletion go on only without a
+        /// cluster that was waited for on its own claim alone.
+        #[test]
+        fn time_releases_only_claim_only_waiters(
+            ops in proptest::collection::vec(arb_op(), 1..40)
+        ) {
+            let mut ix = Index::with_claim_wait(Duration::from_secs(1));
+            for op in ops {
+                run(&mut ix, op);
+            }
+            let deleting: Vec<AppKey> = ix.deleting.keys().cloned().collect();
+            for app in deleting {
+                let before: BTreeSet<String> = ix.deletion_waiting_on(&app).into_iter().collect();
+                let claimed: BTreeSet<String> = ix
+                    .claimed
+                    .get(&app)
+                    .map(|c| c.keys().cloned().collect())
+                    .unwrap_or_default();
+                ix.delete_app(&app, false, &[], now() + Duration::from_secs(86_400));
+                let after: BTreeSet<String> = ix.deletion_waiting_on(&app).into_iter().collect();
+                for gone in before.difference(&after) {
+                    proptest::prop_assert!(
+                        claimed.contains(gone),
+                        "{app}: {gone} was placed, sent or named, and time released it"
+                    );
+                }
             }
         }
     }
@@ -818,7 +1047,7 @@ mod tests {
     fn a_plan_for_an_app_being_deleted_is_ignored() {
         let mut ix = Index::default();
         ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h"))]));
-        ix.delete_app(&key("a"), false, &[]);
+        ix.delete_app(&key("a"), false, &[], now());
         assert!(
             ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h"))]))
                 .is_empty()
@@ -833,7 +1062,7 @@ mod tests {
         let pushes = ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
         assert_eq!(kinds(&pushes), [t("c1", "a", "apply h")]);
         // No report yet: the agent may be applying it right now.
-        let pushes = ix.delete_app(&key("a"), false, &[]);
+        let pushes = ix.delete_app(&key("a"), false, &[], now());
         assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=false")]);
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
         ix.report("c1", &key("a"), Held::Present);
@@ -847,7 +1076,7 @@ mod tests {
         let mut ix = Index::default();
         ix.connect("c1", &HashMap::new());
         ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
-        let pushes = ix.delete_app(&key("a"), true, &[]);
+        let pushes = ix.delete_app(&key("a"), true, &[], now());
         assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=true")]);
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
     }
@@ -860,7 +1089,7 @@ mod tests {
             None,
             plan(&[("c1", rendered("h")), ("c2", rendered("h"))]),
         );
-        ix.delete_app(&key("a"), true, &[]);
+        ix.delete_app(&key("a"), true, &[], now());
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1", "c2"]);
         ix.retain_clusters(&["c1".to_owned()].into());
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
@@ -875,7 +1104,7 @@ mod tests {
     fn an_unowned_deletion_whose_holders_all_left_is_over() {
         let mut ix = Index::default();
         ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h"))]));
-        ix.drop_app(&key("a"), false);
+        ix.drop_app(&key("a"), false, now());
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
         ix.retain_clusters(&BTreeSet::new());
         assert!(!ix.is_deleting(&key("a")));
@@ -897,7 +1126,7 @@ mod tests {
         ix.disconnect("c1");
         ix.set_app(&key("a"), Some(2), plan(&[]));
         assert!(ix.is_placed("c1", &key("a")), "c1 may still hold it");
-        ix.delete_app(&key("a"), false, &[]);
+        ix.delete_app(&key("a"), false, &[], now());
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
         let (pushes, _) = ix.connect("c1", &hello(&[("a", "h")]));
         assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=false")]);
@@ -909,7 +1138,7 @@ mod tests {
         ix.set_app(&key("b"), Some(2), plan(&[]));
         ix.report("c1", &key("b"), Held::Absent);
         ix.disconnect("c1");
-        ix.delete_app(&key("b"), false, &[]);
+        ix.delete_app(&key("b"), false, &[], now());
         assert!(ix.deletion_waiting_on(&key("b")).is_empty());
     }
 
@@ -968,13 +1197,13 @@ mod tests {
         ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
         ix.connect("c1", &hello(&[("a", "h")]));
         assert_eq!(
-            kinds(&ix.drop_app(&key("a"), false)),
+            kinds(&ix.drop_app(&key("a"), false, now())),
             [t("c1", "a", "delete orphan=false")]
         );
         ix.report("c1", &key("a"), Held::Absent);
         assert!(!ix.is_placed("c1", &key("a")), "forgotten once confirmed");
         assert!(
-            ix.drop_app(&key("a"), false).is_empty(),
+            ix.drop_app(&key("a"), false, now()).is_empty(),
             "unknown apps change nothing"
         );
         let (_, keys) = ix.connect("c2", &HashMap::new());
@@ -989,7 +1218,7 @@ mod tests {
         let p = plan(&[("c1", rendered("h")), ("c2", rendered("h"))]);
         ix.set_app(&key("a"), Some(7), p);
         ix.connect("c1", &hello(&[("a", "h")]));
-        assert!(ix.replace_app(&key("a"), false).is_empty());
+        assert!(ix.replace_app(&key("a"), false, now()).is_empty());
         assert!(!ix.is_deleting(&key("a")));
         let pushes = ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h"))]));
         assert_eq!(
@@ -1005,9 +1234,9 @@ mod tests {
     fn a_new_object_under_the_same_name_calls_off_a_deletion() {
         let mut ix = Index::default();
         ix.set_app(&key("a"), Some(3), plan(&[("c1", rendered("h"))]));
-        ix.delete_app(&key("a"), false, &[]);
+        ix.delete_app(&key("a"), false, &[], now());
         assert!(ix.is_deleting(&key("a")));
-        ix.replace_app(&key("a"), false);
+        ix.replace_app(&key("a"), false, now());
         assert!(!ix.is_deleting(&key("a")));
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
         let pushes = ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h"))]));
@@ -1021,7 +1250,7 @@ mod tests {
         ix.set_app(&key("a"), Some(3), plan(&[("c1", rendered("h"))]));
         ix.connect("c1", &hello(&[("a", "h")]));
         assert_eq!(
-            kinds(&ix.replace_app(&key("a"), true)),
+            kinds(&ix.replace_app(&key("a"), true, now())),
             [t("c1", "a", "delete orphan=true")]
         );
         assert!(ix.is_deleting(&key("a")));
@@ -1050,7 +1279,7 @@ mod tests {
         ix.report("c1", &key("a"), Held::Absent);
         assert!(!ix.is_placed("c1", &key("a")));
         // Deleting the app now waits for nobody: c1 said it no longer holds it.
-        ix.delete_app(&key("a"), false, &[]);
+        ix.delete_app(&key("a"), false, &[], now());
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
     }
 }

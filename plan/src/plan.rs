@@ -41,6 +41,9 @@ pub enum ClusterPlan {
     Unknown,
 }
 
+/// A cluster a rollout holds back, as it is.
+pub const HELD: ClusterPlan = ClusterPlan::Keep(KeepReason::Held { resized: None });
+
 /// Why a cluster keeps what it runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeepReason {
@@ -55,8 +58,10 @@ pub enum KeepReason {
     /// and is given none. Status does not report on it.
     Unplanned,
     /// A progressive rollout has not reached it yet ([`crate::rollout`]): it runs
-    /// another revision, or nothing, until its wave.
-    Held,
+    /// another revision, or nothing, until its wave. `resized`: the revision of the last
+    /// complete rollout it runs, rendered again with its current share of replicas, sent
+    /// as an Apply (a division, capacity or failover move is not held by a rollout).
+    Held { resized: Option<Arc<RenderedMyApp>> },
     /// Placement chooses it, but the app's namespace is not granted it
     /// ([`crate::grants`]): nothing new goes there and what runs there stays (a grant
     /// withdrawn is not a deletion). `named`: `spec.placement.clusters` names it, and
@@ -109,7 +114,10 @@ impl ClusterPlan {
     /// What the index holds for the cluster; `None`: nothing (an unknown cluster).
     pub fn desired(&self) -> Option<Desired> {
         match self {
-            ClusterPlan::Apply(r) => Some(Desired::Apply(r.clone())),
+            ClusterPlan::Apply(r)
+            | ClusterPlan::Keep(KeepReason::Held {
+                resized: Some(r), ..
+            }) => Some(Desired::Apply(r.clone())),
             ClusterPlan::Keep(_) => Some(Desired::Keep),
             ClusterPlan::Unknown => None,
         }
@@ -149,7 +157,7 @@ impl AppError {
 }
 
 /// What the hub decided for one app at one generation.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct AppPlan {
     pub generation: Option<i64>,
     /// The placement or the division as a whole is invalid; then every registered

@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flotilla_crds::FederatedMyApp;
-use flotilla_crds::federated::{ORPHAN_ANNOTATION, SchedulingMode};
+use flotilla_crds::federated::{HUB_FINALIZER, ORPHAN_ANNOTATION, SchedulingMode};
 use flotilla_crds::member::ClusterCapacity;
 use kube::ResourceExt;
 
@@ -114,6 +114,11 @@ pub fn orphans(app: &FederatedMyApp) -> bool {
     app.annotations()
         .get(ORPHAN_ANNOTATION)
         .is_some_and(|v| v == "true")
+}
+
+/// Whether the hub's finalizer is on the app: nothing is sent to a member before it is.
+pub fn held_by_hub(app: &FederatedMyApp) -> bool {
+    app.finalizers().iter().any(|f| f == HUB_FINALIZER)
 }
 
 fn by_capacity(app: &FederatedMyApp) -> bool {
@@ -344,17 +349,36 @@ impl Planner {
         } else {
             // A deletion is never held; a live app's new revision waits for its wave.
             let gated = match rollout::progressive(app) {
-                true => rollout::gate(app, &mut plan, members, &fx.observed(&key), now),
+                true => {
+                    let observed = fx.observed(&key);
+                    let recheck = rollout::gate(app, &mut plan, members, &observed, now);
+                    rollout::resize_held(app, &mut plan, &observed, |stable| {
+                        crate::plan::plan(stable, members, &self.admission, grants)
+                    });
+                    recheck
+                }
                 false => None,
             };
             let generation = app.metadata.generation;
-            let mut taken = fx.set_app(&key, generation, plan.desired());
+            let desired = match held_by_hub(app) {
+                true => plan.desired(),
+                // Nothing is sent before the hub's finalizer holds the object (rule 3):
+                // one deleted before then goes at once, and a hub that restarts meanwhile
+                // never learns that its MyApps were to be released, not collected. Every
+                // cluster it places the app on keeps what it has (a finalizer removed by
+                // hand takes nothing away, and an agent's sync collects nothing of it);
+                // the finalizer's arrival plans it again.
+                false => (plan.desired().into_keys())
+                    .map(|cluster| (cluster, Desired::Keep))
+                    .collect(),
+            };
+            let mut taken = fx.set_app(&key, generation, desired.clone());
             if !taken {
                 // This object is live: the deletion the index holds is an earlier one's
                 // (deleted without our finalizer). The host wants these MyApps again
                 // (rule 1): unless that one is releasing them, this plan takes over.
                 fx.drop_app(&key, false, true);
-                taken = fx.set_app(&key, generation, plan.desired());
+                taken = fx.set_app(&key, generation, desired);
             }
             // A grace period that ends, or replacements that may be Ready, change the
             // division with no change to the app.
@@ -416,12 +440,49 @@ mod tests {
         }
     }
 
+    /// Nothing is sent before the hub's finalizer is on the object (a copy sent before
+    /// then is lost to a deletion: CI once saw an orphaning delete collected that way
+    /// across a hub SIGKILL), and a finalizer removed by hand from a live app takes
+    /// nothing away: its clusters keep what they have.
+    #[test]
+    fn nothing_is_placed_before_the_hubs_finalizer_holds_the_app() {
+        let yaml = |finalizers: &str| {
+            format!(
+                "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {{name: web, namespace: prod, generation: 1{finalizers}}}\n\
+                 spec:\n  placement: {{clusters: [{{name: c1}}]}}\n  template: {{spec: {{replicas: 1, image: 'nginx:2'}}}}\n"
+            )
+        };
+        let bare: FederatedMyApp = serde_yaml::from_str(&yaml("")).unwrap();
+        let held: FederatedMyApp =
+            serde_yaml::from_str(&yaml(", finalizers: [core.kubefed.io/flotilla-hub]")).unwrap();
+        let key = key_of(&bare);
+        let members: Members = [("c1".to_owned(), Default::default())].into();
+        let (mut planner, mut fx, t0) = (Planner::default(), Fx::default(), Instant::now());
+        let mut plan_with = |app: &FederatedMyApp, fx: &mut Fx| {
+            let apps = One(Arc::new(app.clone()));
+            planner.handle(
+                Trigger::Applied(key.clone()),
+                &apps,
+                (&members, &Grants::default()),
+                t0,
+                fx,
+            );
+        };
+        // Kept, not sent: whatever c1 may hold stays, and nothing reaches it.
+        plan_with(&bare, &mut fx);
+        assert_eq!(fx.desired, [("c1".to_owned(), Desired::Keep)].into());
+        plan_with(&held, &mut fx);
+        assert!(matches!(fx.desired["c1"], Desired::Apply(_)));
+        plan_with(&bare, &mut fx);
+        assert_eq!(fx.desired["c1"], Desired::Keep, "nothing taken away");
+    }
+
     /// The planner gates a progressive app with what the agents report, plans it again
     /// on `Observed`, and asks to be woken when the soak ends.
     #[test]
     fn a_progressive_app_is_gated_replanned_on_reports_and_woken_after_the_soak() {
         let app: FederatedMyApp = serde_yaml::from_str(
-            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: web, namespace: prod, generation: 1}\n\
+            "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {name: web, namespace: prod, generation: 1, finalizers: [core.kubefed.io/flotilla-hub]}\n\
              spec:\n  placement: {clusters: [{name: c1}, {name: c2}]}\n  template: {spec: {replicas: 1, image: 'nginx:2'}}\n  \
              rollout: {type: Progressive, maxConcurrency: 1, minSuccessSeconds: 30}\n",
         )

@@ -10,9 +10,10 @@
 //! The gate only ever turns an Apply into `Keep(Held)`: a cluster not yet reached keeps
 //! what it runs (nothing is deleted, nothing rolled back). A cluster that already runs
 //! the current revision is never held, so a change of its replicas (scheduling,
-//! capacity, failover) goes through. A held cluster whose replica count changes keeps
-//! its old count until its wave (a limitation of this design: the hub cannot render the
-//! previous revision, which it no longer has).
+//! capacity, failover) goes through. A held cluster that runs the last complete revision
+//! takes its new share of replicas of that revision ([`resize_held`], from the copy of the
+//! spec `status.rollout.lastComplete` keeps); any other held cluster keeps its count
+//! until its wave. Going back to a complete revision is never held.
 //!
 //! Waves go in order; the first wave not complete is the current one, and no later
 //! cluster is sent the revision until it is. A wave is complete when each of its
@@ -30,13 +31,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use flotilla_crds::FederatedMyApp;
-use flotilla_crds::federated::{Rollout, RolloutStatus, RolloutType};
+use flotilla_crds::federated::{CompletedRevision, Rollout, RolloutStatus, RolloutType};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use kube::core::SelectorExt;
 
 use crate::placement::{Members, parse_selector};
-use crate::plan::{AppPlan, ClusterPlan, KeepReason};
+use crate::plan::{AppPlan, ClusterPlan, HELD, KeepReason};
 use crate::render::revision_of;
 use crate::status::{CONDITION_MESSAGE_MAX, cut};
 
@@ -262,10 +263,17 @@ pub fn gate(
         .map(|(c, t)| (c, standing(t, observed.get(c), &settings, now)))
         .collect();
     let away = |c: &str| members.get(c).is_none_or(|m| m.not_ready_for.is_some());
-    let walk = walk(&waves, &standing, settings.paused, &away);
+    let mut walk = walk(&waves, &standing, settings.paused, &away);
+    // Going back to a revision a rollout completed is never held: it ran Ready on every
+    // cluster (an abort, or the template set back by hand, reaches them all at once).
+    let last = last_complete(app);
+    let known_good: BTreeSet<&str> = last.map_or_else(BTreeSet::new, |l| {
+        l.revisions.iter().map(String::as_str).collect()
+    });
+    walk.held
+        .retain(|c| !known_good.contains(targets[c].as_str()));
     for c in &walk.held {
-        plan.clusters
-            .insert(c.clone(), ClusterPlan::Keep(KeepReason::Held));
+        plan.clusters.insert(c.clone(), HELD);
     }
     let view = View {
         waves: &waves,
@@ -274,8 +282,114 @@ pub fn gate(
         paused: settings.paused,
         now,
     };
-    plan.rollout = Some(view.status(&targets, &away));
+    let mut status = view.status(&targets, &away);
+    status.last_complete = match status.state == "Complete" && !targets.is_empty() {
+        true => Some(completed(app, &targets, &mut plan.warnings)),
+        false => last.cloned(),
+    };
+    plan.rollout = Some(status);
     walk.recheck.map(|at| at.saturating_duration_since(now))
+}
+
+/// A held cluster still takes its new share of replicas (a new division, capacity,
+/// failover elsewhere): one that runs a revision of the last complete rollout is sent
+/// that revision again, rendered from its kept spec (`plan_stable` plans the app with
+/// it) with the replicas the current division gives. Only when the render is the very
+/// revision the cluster runs: its replica count is all that changes. Any other held
+/// cluster keeps what it runs, count included.
+pub fn resize_held(
+    app: &FederatedMyApp,
+    plan: &mut AppPlan,
+    observed: &Observed,
+    plan_stable: impl FnOnce(&FederatedMyApp) -> AppPlan,
+) {
+    let held = |p: &ClusterPlan| *p == HELD;
+    if !plan.clusters.values().any(held) {
+        return;
+    }
+    let Some((last, template)) = last_complete(app).and_then(|l| Some((l, l.template.clone()?)))
+    else {
+        return;
+    };
+    let mut stable = app.clone();
+    (stable.spec.template, stable.spec.overrides) = (template, last.overrides.clone());
+    let stable = plan_stable(&stable);
+    for (cluster, planned) in plan.clusters.iter_mut().filter(|(_, p)| held(p)) {
+        let runs = observed.get(cluster).and_then(|s| revision_of(&s.hash));
+        let Some(ClusterPlan::Apply(render)) = stable.clusters.get(cluster) else {
+            continue;
+        };
+        let again = revision_of(&render.hash);
+        if runs.is_some()
+            && runs == again
+            && last.revisions.iter().any(|r| Some(r.as_str()) == runs)
+        {
+            *planned = ClusterPlan::Keep(KeepReason::Held {
+                resized: Some(render.clone()),
+            });
+        }
+    }
+}
+
+/// The last complete rollout the app's status records.
+fn last_complete(app: &FederatedMyApp) -> Option<&CompletedRevision> {
+    let rollout = app.status.as_ref()?.rollout.as_ref()?;
+    rollout.last_complete.as_ref()
+}
+
+/// Revisions a completed rollout keeps (one per class of clusters); past them, going
+/// back to the others is rolled out in waves like any revision.
+const REVISIONS_KEPT: usize = 1000;
+
+/// At most this much of the spec (`template` and `overrides`, as JSON) is copied into
+/// status when a rollout completes: past it, `rollout abort` has nothing to put back.
+pub const COPY_MAX: usize = 64 * 1024;
+
+/// The revision `app` completed, with a copy of what rendered it when it fits.
+fn completed(
+    app: &FederatedMyApp,
+    targets: &BTreeMap<String, String>,
+    warnings: &mut Vec<String>,
+) -> CompletedRevision {
+    let revisions: BTreeSet<&String> = targets.values().collect();
+    let spec = &app.spec;
+    let size =
+        serde_json::to_vec(&(&spec.template, &spec.overrides)).map_or(usize::MAX, |v| v.len());
+    let fits = size <= COPY_MAX;
+    if !fits {
+        warnings.push(format!(
+            "spec.template and spec.overrides ({size} bytes) exceed {COPY_MAX}: status.rollout.lastComplete keeps no copy of them, so rollout abort cannot put this revision back"
+        ));
+    }
+    CompletedRevision {
+        generation: app.metadata.generation.unwrap_or_default(),
+        revisions: revisions
+            .into_iter()
+            .take(REVISIONS_KEPT)
+            .cloned()
+            .collect(),
+        template: fits.then(|| spec.template.clone()),
+        overrides: match fits {
+            true => spec.overrides.clone(),
+            false => Vec::new(),
+        },
+    }
+}
+
+/// `status.rollout` as written: the plan's, keeping the newer `lastComplete` of the
+/// plan's and the one the object shows (a plan made before the object showed the last
+/// completion must not write an older one over it).
+pub fn with_newest_completion(
+    planned: Option<&RolloutStatus>,
+    shown: Option<&RolloutStatus>,
+) -> Option<RolloutStatus> {
+    let mut rollout = planned?.clone();
+    let generation = |r: Option<&CompletedRevision>| r.map(|c| c.generation);
+    let shown = shown.and_then(|r| r.last_complete.as_ref());
+    if generation(shown) > generation(rollout.last_complete.as_ref()) {
+        rollout.last_complete = shown.cloned();
+    }
+    Some(rollout)
 }
 
 /// The waves walked in order.
@@ -399,6 +513,7 @@ impl View<'_> {
             updated_clusters: updated as i32,
             held_clusters: held as i32,
             message: cut(message, CONDITION_MESSAGE_MAX),
+            last_complete: None,
         }
     }
 }

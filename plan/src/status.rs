@@ -22,6 +22,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use crate::index::Held;
 use crate::plan::{AppError, AppPlan, ClusterPlan, FAILED_OVER, KeepReason};
+use crate::rollout;
 use crate::schedule;
 
 /// A cluster's message in a bounded status is cut to this many bytes.
@@ -243,7 +244,10 @@ fn fold(
         failed_over_clusters: tally.failed_over,
         current_replicas: current_replicas(&tally),
         clusters: tally.clusters.iter().map(|(c, _)| c.clone()).collect(),
-        rollout: plan.rollout.clone(),
+        rollout: rollout::with_newest_completion(
+            plan.rollout.as_ref(),
+            previous.and_then(|p| p.rollout.as_ref()),
+        ),
         ..Default::default()
     };
     if let Some(schedule) = &plan.schedule {
@@ -310,7 +314,7 @@ fn tally(inputs: &Inputs<'_>, message_max: usize) -> Tally {
         }
         let standing = match planned {
             ClusterPlan::Keep(KeepReason::FailedOver) => Standing::FailedOver,
-            ClusterPlan::Keep(KeepReason::Held) => {
+            ClusterPlan::Keep(KeepReason::Held { .. }) => {
                 tally.placed += 1;
                 Standing::Behind(Reason::Held, HELD.to_owned())
             }
@@ -822,10 +826,7 @@ mod tests {
     /// progresses.
     #[test]
     fn a_held_cluster_is_placed_not_ready_and_no_error() {
-        let mut p = plan(&[
-            ("c1", rendered("h1")),
-            ("c2", ClusterPlan::Keep(KeepReason::Held)),
-        ]);
+        let mut p = plan(&[("c1", rendered("h1")), ("c2", crate::plan::HELD)]);
         p.rollout = Some(RolloutStatus {
             state: "Progressing".into(),
             ..Default::default()

@@ -147,6 +147,7 @@ impl App {
             "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
             "metadata": {"name": key.name, "namespace": key.namespace,
                          "uid": format!("uid-{}", self.uid), "generation": self.generation,
+                         "finalizers": [flotilla_crds::federated::HUB_FINALIZER],
                          "annotations": {"kubefed.io/orphan": self.orphan.to_string()}},
             "spec": {"placement": placement, "overrides": overrides, "rollout": rollout,
                      "template": {"spec": {"replicas": self.replicas, "image": "nginx:1.27"}}},
@@ -241,6 +242,9 @@ struct Hub {
     wanted: BTreeMap<AppKey, BTreeSet<String>>,
     planned_for: BTreeSet<String>,
     pushed: Vec<Push>,
+    /// The model's clock as the planner's effects read it (the hub's dispatcher reads
+    /// the real one).
+    clock: Option<Instant>,
     /// What agents reported applying, as the status board keeps it: each MyApp Ready
     /// at once, since it was applied.
     observed: BTreeMap<AppKey, Observed>,
@@ -260,15 +264,21 @@ impl Effects for Hub {
     }
 
     fn delete_app(&mut self, key: &AppKey, orphan: bool, placed: &[String]) -> Vec<String> {
-        let pushes = self.index.delete_app(key, orphan, placed);
+        let now = self
+            .clock
+            .expect("the model sets the clock before planning");
+        let pushes = self.index.delete_app(key, orphan, placed, now);
         self.pushed.extend(pushes);
         self.index.deletion_waiting_on(key)
     }
 
     fn drop_app(&mut self, key: &AppKey, orphan: bool, replaced: bool) {
+        let now = self
+            .clock
+            .expect("the model sets the clock before planning");
         let pushes = match replaced {
-            true => self.index.replace_app(key, orphan),
-            false => self.index.drop_app(key, orphan),
+            true => self.index.replace_app(key, orphan, now),
+            false => self.index.drop_app(key, orphan, now),
         };
         self.pushed.extend(pushes);
     }
@@ -655,6 +665,7 @@ impl Model {
                 break;
             };
             let members = self.host.members(self.now);
+            self.hub.clock = Some(self.now);
             (self.planner).handle(
                 trigger,
                 &self.host,

@@ -131,19 +131,41 @@ pub fn merge_patch(conversion: &CustomResourceConversion) -> Value {
     json!({ "spec": { "conversion": value } })
 }
 
-/// Points the MyApp CRD at the webhook.
+/// Whether applying the merge patch `patch` to `value` would change nothing: every
+/// member it sets is there with that value, every one it removes (null) is absent.
+pub fn changes_nothing(value: &Value, patch: &Value) -> bool {
+    match (value, patch) {
+        (_, Value::Object(patch)) => patch.iter().all(|(key, p)| {
+            let v = value.get(key);
+            match p {
+                Value::Null => v.is_none_or(Value::is_null),
+                Value::Object(_) => v.is_some_and(|v| v.is_object() && changes_nothing(v, p)),
+                p => v == Some(p),
+            }
+        }),
+        (value, patch) => value == patch,
+    }
+}
+
+/// Points the MyApp CRD at the webhook, unless it points there already with that CA (a
+/// restart or another replica of the same CA writes nothing). `Ok(false)`: it did.
 pub async fn publish(
     client: Client,
     conversion: &CustomResourceConversion,
-) -> Result<(), kube::Error> {
+) -> Result<bool, kube::Error> {
     let crds: Api<CustomResourceDefinition> = Api::all(client);
+    let patch = merge_patch(conversion);
+    let current = crds.get(CRD_NAME).await?;
+    let current = serde_json::to_value(&current).expect("a CRD serializes");
+    if changes_nothing(&current, &patch) {
+        return Ok(false);
+    }
     let params = PatchParams {
         field_manager: Some(FIELD_MANAGER.into()),
         ..PatchParams::default()
     };
-    crds.patch(CRD_NAME, &params, &Patch::Merge(merge_patch(conversion)))
-        .await?;
-    Ok(())
+    crds.patch(CRD_NAME, &params, &Patch::Merge(patch)).await?;
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -231,5 +253,37 @@ mod tests {
             "an unknown CA keeps the published one"
         );
         assert_eq!(config["service"]["path"], "/convert");
+    }
+
+    /// The CRD as the apiserver has it after the patch is what the patch changes nothing
+    /// in; a different CA, endpoint or a leftover `service` is a change.
+    #[test]
+    fn a_patch_already_applied_changes_nothing() {
+        let url = Endpoint::Url("https://h/convert".into());
+        let patch = merge_patch(&conversion(&url, Some("PEM")));
+        let mut crd = json!({"metadata": {"name": CRD_NAME}, "spec": {"group": "app.example.com",
+            "conversion": {"strategy": "Webhook", "webhook": {"conversionReviewVersions": ["v1"],
+                "clientConfig": {"url": "https://h/convert", "caBundle": "UEVN"}}}}});
+        assert!(changes_nothing(&crd, &patch));
+        let other_ca = merge_patch(&conversion(&url, Some("OTHER")));
+        assert!(!changes_nothing(&crd, &other_ca));
+        let other_url = merge_patch(&conversion(
+            &Endpoint::Url("https://g/convert".into()),
+            Some("PEM"),
+        ));
+        assert!(!changes_nothing(&crd, &other_url));
+        // No caBundle in the patch (cert-manager injects it): whatever is there stays.
+        assert!(changes_nothing(&crd, &merge_patch(&conversion(&url, None))));
+        crd["spec"]["conversion"]["webhook"]["clientConfig"]["service"] =
+            json!({"namespace": "ns", "name": "old"});
+        assert!(!changes_nothing(&crd, &patch), "a service to remove");
+        assert!(
+            !changes_nothing(&json!({"spec": {}}), &patch),
+            "no conversion yet"
+        );
+        assert!(!changes_nothing(
+            &json!({"spec": {"conversion": "None"}}),
+            &patch
+        ));
     }
 }

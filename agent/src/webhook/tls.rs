@@ -39,13 +39,23 @@ pub struct Identity {
 
 impl Identity {
     /// A fresh CA and a serving certificate it signs, valid for `hosts` (DNS names or IP
-    /// addresses). A new pair at every start: the agent republishes the CA each time.
+    /// addresses): for a webhook whose CA nobody else needs to trust across restarts.
     pub fn self_signed(hosts: &[String]) -> Result<Self, TlsError> {
         let s = flotilla_common::tls::self_signed(
             "flotilla-agent webhook CA",
             "flotilla-agent webhook",
             hosts,
         )?;
+        Ok(Self {
+            cert_pem: s.cert_pem,
+            key_pem: s.key_pem,
+            ca_pem: Some(s.ca_pem),
+        })
+    }
+
+    /// A serving certificate for `hosts` signed by `ca` (the CA the replicas share).
+    pub fn issued_by(ca: &flotilla_common::tls::Ca, hosts: &[String]) -> Result<Self, TlsError> {
+        let s = ca.issue("flotilla-agent webhook", hosts)?;
         Ok(Self {
             cert_pem: s.cert_pem,
             key_pem: s.key_pem,

@@ -65,7 +65,7 @@ pub fn chosen(plan: &AppPlan) -> Vec<(String, String)> {
                 cluster.clone(),
                 format!("{}; its MyApp cannot be rendered", why(cluster)),
             )),
-            ClusterPlan::Keep(KeepReason::Held) => Some((
+            ClusterPlan::Keep(KeepReason::Held { .. }) => Some((
                 cluster.clone(),
                 format!("{}; the rollout has not reached it yet", why(cluster)),
             )),

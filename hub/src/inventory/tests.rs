@@ -38,6 +38,7 @@ fn ready(mut m: MemberCluster, status: &str) -> MemberCluster {
         agent_version: Some("0.1.0".into()),
         kubernetes_version: Some("v1.34.1".into()),
         cluster_uid: Some("11111111-2222".into()),
+        cluster_id: None,
         capacity: Some(ClusterCapacity {
             nodes: 3,
             allocatable: Resources {
@@ -142,6 +143,25 @@ fn a_joined_ready_cluster_shows_health_identity_version_labels_and_capacity() {
         observed
             .into_iter()
             .all(|t| t == Some(time("2026-02-02T00:00:00Z")))
+    );
+}
+
+/// A cluster that states its ID (About API) is published under it; the member-id label
+/// stays the UID (a label value, whatever the ID looks like).
+#[test]
+fn a_stated_cluster_id_wins_over_the_uid() {
+    let mut m = ready(member("eu-1", &[]), "True");
+    m.status.as_mut().unwrap().cluster_id = Some("eu-west/1".into());
+    let p = profile(&m, "flotilla-system", None, &time(NOW));
+    assert_eq!(property(&p, CLUSTER_ID_PROPERTY), Some("eu-west/1"));
+    assert_eq!(p.labels()[MEMBER_ID_LABEL], "11111111-2222");
+    m.status.as_mut().unwrap().cluster_uid = None;
+    let p = profile(&m, "flotilla-system", None, &time(NOW));
+    assert_eq!(property(&p, CLUSTER_ID_PROPERTY), Some("eu-west/1"));
+    assert_eq!(
+        condition(&p, JOINED).reason,
+        "AgentJoined",
+        "pinned by its ID"
     );
 }
 

@@ -118,6 +118,53 @@ fn a_hello_that_changes_nothing_writes_nothing() {
     assert_eq!(upgraded.agent_version.as_deref(), Some("0.2.0"));
 }
 
+/// Review M2: an agent that reconnects in a loop, saying another version each time,
+/// made one MemberCluster write per reconnect. Now a burst is written, the rest waits for
+/// the cluster's budget and is then written once, with the latest version.
+#[tokio::test(start_paused = true)]
+async fn a_reconnect_loop_writes_a_burst_then_the_latest_once() {
+    let (m, mut members) = pinned("uid-1");
+    let mut written = 1;
+    for i in 0..100 {
+        m.hello("c1", &hello(&format!("0.{i}.0"), "uid-1"));
+        for (_, status) in due(&m, &["c1"], &members, Instant::now()) {
+            members = holding(shown("c1", status));
+            written += 1;
+        }
+    }
+    // The first Hello turned c1 Ready, which the budget does not hold back.
+    assert_eq!(written, 1 + CLUSTER_WRITE_BURST, "100 reconnects");
+    assert_eq!(m.deferred(), ["c1"], "the latest version waits");
+    // Readiness turning is not held back by the budget.
+    let silent = Membership::new(Duration::from_secs(1));
+    silent.hello("c1", &hello("0.1.0", "uid-1"));
+    for _ in 0..CLUSTER_WRITE_BURST {
+        assert!(silent.budget_allows("c1", Instant::now()));
+    }
+    tokio::time::advance(Duration::from_secs(2)).await;
+    let gone = due(
+        &silent,
+        &[],
+        &members,
+        Instant::now() - Duration::from_secs(5),
+    );
+    assert_eq!(gone.len(), 1, "written though the budget is spent");
+    assert_eq!(
+        condition::is_true(&gone[0].1.conditions, "Ready"),
+        Some(false)
+    );
+    tokio::time::advance(Duration::from_secs_f64(1.0 / CLUSTER_WRITES_PER_SECOND)).await;
+    let (_, latest) = due(
+        &m,
+        &m.deferred().iter().map(String::as_str).collect::<Vec<_>>(),
+        &members,
+        Instant::now(),
+    )
+    .remove(0);
+    assert_eq!(latest.agent_version.as_deref(), Some("0.99.0"));
+    assert!(m.deferred().is_empty());
+}
+
 /// What an agent says of itself is bounded before it reaches the host.
 #[test]
 fn an_agents_strings_are_bounded() {
@@ -254,11 +301,37 @@ async fn capacity_is_written_on_a_quantum_at_most_once_per_interval() {
     assert_eq!(due_now[0].1.capacity.as_ref(), Some(&room(3, 24_000)));
 }
 
+/// Only the exact count held back confirms; with nothing held back the annotation waits;
+/// anything else is refused (and removed, so it cannot approve a later collection).
+#[test]
+fn a_confirmation_is_of_the_exact_count_held_back() {
+    assert_eq!(confirmation("7", Some((7, 10))), Confirmation::Confirm(7));
+    assert_eq!(confirmation(" 7 ", Some((7, 10))), Confirmation::Confirm(7));
+    assert_eq!(confirmation("7", None), Confirmation::Wait);
+    for (value, why) in [
+        ("10", "it confirms 10, but the agent holds back 7"),
+        (
+            "4294967295",
+            "it confirms 4294967295, but the agent holds back 7",
+        ),
+        ("6", "it confirms 6"),
+        ("-1", "not the number"),
+        ("all", "not the number"),
+        ("", "not the number"),
+    ] {
+        let Confirmation::Refuse(e) = confirmation(value, Some((7, 10))) else {
+            panic!("{value:?} confirmed something");
+        };
+        assert!(e.contains(why), "{value:?}: {e}");
+    }
+    assert!(matches!(confirmation("x", None), Confirmation::Refuse(_)));
+}
+
 #[test]
 fn a_held_back_collection_shows_how_to_confirm_it() {
     let m = Membership::new(Duration::from_secs(40));
     m.heartbeat("c1");
-    m.collection_blocked("c1", 7, 10);
+    m.collection_blocked("c1", (7, 10), Instant::now());
     let due_now = due(&m, &["c1"], &store(&[("c1", Some(true))]), Instant::now());
     let blocked = due_now[0]
         .1
@@ -285,30 +358,182 @@ fn a_held_back_collection_shows_how_to_confirm_it() {
     assert_eq!(blocked.unwrap().status, "False");
 }
 
+/// Review M2: an agent repeating CollectionBlocked gets one Event a minute, whatever
+/// its sessions; each cluster its own.
+#[test]
+fn a_held_back_collection_is_an_event_at_most_once_a_minute_per_cluster() {
+    let m = Membership::new(Duration::from_secs(40));
+    let t0 = Instant::now();
+    let events = (0..1000u32)
+        .filter(|i| {
+            m.collection_blocked("c1", (*i, 1000), t0 + Duration::from_millis(u64::from(*i)))
+        })
+        .count();
+    assert_eq!(events, 1, "1,000 messages in 1 s");
+    m.hello("c1", &hello("v1", ""));
+    assert!(
+        !m.collection_blocked("c1", (7, 10), t0 + Duration::from_secs(59)),
+        "a new session"
+    );
+    assert!(
+        m.collection_blocked("c2", (7, 10), t0 + Duration::from_secs(59)),
+        "another cluster"
+    );
+    assert!(m.collection_blocked("c1", (7, 10), t0 + COLLECTION_BLOCKED_EVENT_EVERY));
+}
+
 /// An agent in another physical cluster is refused; so, once the UID is pinned, is one
 /// that sends none (a copied token would otherwise pass by leaving it out). Before any
 /// pin, neither is a reason to refuse.
 #[test]
 fn once_pinned_another_uid_or_none_is_refused() {
     let mut mc = MemberCluster::new("c1", Default::default());
-    assert_eq!(foreign_cluster(&mc, "uid-2"), None, "nothing pinned yet");
-    assert_eq!(foreign_cluster(&mc, ""), None, "nothing pinned yet");
+    assert_eq!(
+        foreign_cluster(&mc, "uid-2", ""),
+        None,
+        "nothing pinned yet"
+    );
+    assert_eq!(foreign_cluster(&mc, "", ""), None, "nothing pinned yet");
     mc.status = Some(MemberClusterStatus {
         cluster_uid: Some("uid-1".into()),
         ..Default::default()
     });
-    assert_eq!(foreign_cluster(&mc, "uid-1"), None);
+    assert_eq!(foreign_cluster(&mc, "uid-1", ""), None);
     let bound = "the credential of cluster \"c1\" is bound to the cluster whose kube-system namespace has UID uid-1";
-    let other = foreign_cluster(&mc, "uid-2").expect("another cluster is refused");
+    let other = foreign_cluster(&mc, "uid-2", "").expect("another cluster is refused");
     assert!(
         other.starts_with(bound) && other.ends_with("runs in uid-2"),
         "{other}"
     );
-    let none = foreign_cluster(&mc, "").expect("no UID once pinned is refused");
+    let none = foreign_cluster(&mc, "", "").expect("no UID once pinned is refused");
     assert!(
         none.starts_with(bound) && none.contains("sent no cluster UID"),
         "{none}"
     );
+    // A ClusterProperty alone does not get another cluster in under a UID pin.
+    let stated = foreign_cluster(&mc, "uid-2", "eu-1").expect("no pin matches");
+    assert!(
+        stated.ends_with("runs in uid-2, whose ID is \"eu-1\""),
+        "{stated}"
+    );
+    let stated = foreign_cluster(&mc, "", "eu-1").expect("no pin matches");
+    assert!(
+        stated.ends_with("the cluster whose ID is \"eu-1\""),
+        "{stated}"
+    );
+}
+
+/// The About API ID and the UID are pinned together; a match on either lets the agent
+/// in, a match on neither never does.
+#[test]
+fn a_match_on_either_pin_is_accepted_and_on_neither_refused() {
+    let mc = shown(
+        "c1",
+        MemberClusterStatus {
+            cluster_uid: Some("uid-1".into()),
+            cluster_id: Some("eu-1".into()),
+            ..Default::default()
+        },
+    );
+    assert_eq!(foreign_cluster(&mc, "uid-1", "eu-1"), None);
+    assert_eq!(
+        foreign_cluster(&mc, "uid-1", ""),
+        None,
+        "the property was removed"
+    );
+    assert_eq!(
+        foreign_cluster(&mc, "uid-1", "eu-2"),
+        None,
+        "same cluster, new ID"
+    );
+    assert_eq!(
+        foreign_cluster(&mc, "uid-9", "eu-1"),
+        None,
+        "rebuilt, same ID"
+    );
+    assert_eq!(
+        foreign_cluster(&mc, "", "eu-1"),
+        None,
+        "no kube-system read"
+    );
+    let both = "is bound to the cluster whose kube-system namespace has UID uid-1 or whose ClusterProperty cluster.clusterset.k8s.io is \"eu-1\"";
+    for (uid, id) in [("uid-9", "eu-2"), ("uid-9", ""), ("", "eu-2"), ("", "")] {
+        let why = foreign_cluster(&mc, uid, id).expect("matches neither");
+        assert!(why.contains(both), "{why}");
+    }
+    let only_id = shown(
+        "c1",
+        MemberClusterStatus {
+            cluster_id: Some("eu-1".into()),
+            ..Default::default()
+        },
+    );
+    assert_eq!(foreign_cluster(&only_id, "uid-1", "eu-1"), None);
+    let why = foreign_cluster(&only_id, "uid-1", "").expect("no pin matches");
+    assert!(
+        why.contains("bound to the cluster whose ClusterProperty cluster.clusterset.k8s.io is \"eu-1\"; this agent runs in uid-1"),
+        "{why}"
+    );
+}
+
+proptest::proptest! {
+    /// Over any pins and any Hello, empty strings included: refused exactly when
+    /// something is pinned and no non-empty value sent equals its pin.
+    #[test]
+    fn never_a_cluster_that_matches_neither_pin(
+        pin_uid in proptest::option::of("|u1|u2"),
+        pin_id in proptest::option::of("|i1|i2"),
+        uid in "|u1|u2",
+        id in "|i1|i2",
+    ) {
+        let mc = shown("c1", MemberClusterStatus {
+            cluster_uid: pin_uid.clone(),
+            cluster_id: pin_id.clone(),
+            ..Default::default()
+        });
+        let pin_uid = pin_uid.filter(|p| !p.is_empty());
+        let pin_id = pin_id.filter(|p| !p.is_empty());
+        let nothing_pinned = pin_uid.is_none() && pin_id.is_none();
+        let matches = (!uid.is_empty() && pin_uid == Some(uid.clone()))
+            || (!id.is_empty() && pin_id == Some(id.clone()));
+        let refused = foreign_cluster(&mc, &uid, &id);
+        proptest::prop_assert_eq!(refused.is_none(), nothing_pinned || matches, "{:?}", refused);
+    }
+}
+
+/// A cluster pinned by its UID that gains a ClusterProperty is accepted by the UID and
+/// pins the ID beside it; rebuilt under the same ClusterProperty (a new UID) it is
+/// accepted by the ID and the new UID is pinned; the old UID alone is then refused.
+#[test]
+fn the_pin_moves_to_the_stated_id_and_follows_a_rebuild() {
+    let (_, members) = pinned("uid-1");
+    let with_id = |uid: &str, id: &str| flotilla_proto::v1::Hello {
+        cluster_id: id.into(),
+        ..hello("0.1.0", uid)
+    };
+    let mc = members.get(&reflector::ObjectRef::new("c1")).unwrap();
+    assert_eq!(foreign_cluster(&mc, "uid-1", "eu-1"), None);
+    let m = Membership::new(Duration::from_secs(40));
+    m.hello("c1", &with_id("uid-1", "eu-1"));
+    let (_, status) = due(&m, &["c1"], &members, Instant::now()).remove(0);
+    assert_eq!(status.cluster_uid.as_deref(), Some("uid-1"));
+    assert_eq!(status.cluster_id.as_deref(), Some("eu-1"));
+    let members = holding(shown("c1", status));
+    let mc = members.get(&reflector::ObjectRef::new("c1")).unwrap();
+    assert_eq!(foreign_cluster(&mc, "uid-2", "eu-1"), None, "rebuilt");
+    m.hello("c1", &with_id("uid-2", "eu-1"));
+    let (_, status) = due(&m, &["c1"], &members, Instant::now()).remove(0);
+    assert_eq!(status.cluster_uid.as_deref(), Some("uid-2"));
+    assert_eq!(status.cluster_id.as_deref(), Some("eu-1"));
+    let members = holding(shown("c1", status));
+    let mc = members.get(&reflector::ObjectRef::new("c1")).unwrap();
+    assert!(
+        foreign_cluster(&mc, "uid-1", "").is_some(),
+        "the old cluster"
+    );
+    // A Hello without an ID (an older agent, a removed property) keeps the ID pinned.
+    m.hello("c1", &hello("0.1.0", "uid-2"));
+    assert!(due(&m, &["c1"], &members, Instant::now()).is_empty());
 }
 
 /// A Hello without a UID never unpins: the status keeps the UID first pinned.

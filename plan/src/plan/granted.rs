@@ -219,7 +219,7 @@ fn a_withdrawn_grant_pushes_no_delete_and_the_apps_deletion_deletes_everywhere()
             assert!(index.desired_keys(c).contains(&key), "{c} keeps it desired");
         }
         let placed: Vec<String> = gone.desired().into_keys().collect();
-        let pushes = index.delete_app(&key, false, &placed);
+        let pushes = index.delete_app(&key, false, &placed, std::time::Instant::now());
         let mut deleted: Vec<&str> = (pushes.iter())
             .filter(|(_, _, c)| *c == Change::Delete { orphan: false })
             .map(|(c, _, _)| c.as_str())

@@ -8,6 +8,7 @@ use proptest::prelude::*;
 use super::*;
 use crate::admission::Admission;
 use crate::grants::Grants;
+use crate::index::Desired;
 use crate::placement::Member;
 use crate::plan::plan;
 use crate::render::{REVISION_LEN, revisioned_hash};
@@ -82,7 +83,7 @@ fn gated(
 
 fn held(p: &AppPlan) -> Vec<&str> {
     (p.clusters.iter())
-        .filter(|(_, c)| **c == ClusterPlan::Keep(KeepReason::Held))
+        .filter(|(_, c)| matches!(c, ClusterPlan::Keep(KeepReason::Held { .. })))
         .map(|(n, _)| n.as_str())
         .collect()
 }
@@ -522,6 +523,239 @@ fn only_applies_are_ever_held() {
     );
 }
 
+/// `app` as the hub's cache shows it once `plan`'s status is written.
+fn with_status_of(app: &FederatedMyApp, plan: &AppPlan) -> FederatedMyApp {
+    let mut app = app.clone();
+    let status = app.status.get_or_insert_with(Default::default);
+    status.rollout = with_newest_completion(plan.rollout.as_ref(), None);
+    app
+}
+
+/// A complete rollout keeps the revisions its clusters ran and the spec that rendered
+/// them; one not complete carries the last one over, and a copy too large is left out
+/// with a warning (the revisions are still kept).
+#[test]
+fn a_complete_rollout_keeps_its_revisions_and_spec() {
+    let t0 = Instant::now();
+    let all = ["c1", "c2"];
+    let m = plain(&all);
+    let mut v1 = progressive(&all, "1", "nginx:1");
+    v1.spec.overrides = serde_yaml::from_str(
+        "[{clusterName: c2, clusterOverrides: [{path: /spec/image, value: 'nginx:1-c2'}]}]",
+    )
+    .unwrap();
+    let done: Observed = (all.iter())
+        .map(|c| ((*c).to_owned(), seen(&hash_for(&v1, &m, c), true, t0)))
+        .collect();
+    let (p, _) = gated(&v1, &m, &done, t0 + secs(SOAK));
+    assert_eq!(state(&p).0, "Complete");
+    let last = p
+        .rollout
+        .as_ref()
+        .unwrap()
+        .last_complete
+        .clone()
+        .expect("kept");
+    assert_eq!(last.generation, 1);
+    let mut revisions: Vec<String> = (all.iter())
+        .map(|c| revision_of(&hash_for(&v1, &m, c)).unwrap().to_owned())
+        .collect();
+    revisions.sort();
+    assert_eq!(last.revisions, revisions, "one per class of clusters");
+    assert_eq!(last.template.as_ref(), Some(&v1.spec.template));
+    assert_eq!(last.overrides, v1.spec.overrides);
+    // The next rollout, not complete: the last one is carried over.
+    let mut v2 = with_status_of(&progressive(&all, "1", "nginx:2"), &p);
+    v2.metadata.generation = Some(2);
+    let (p2, _) = gated(&v2, &m, &done, t0 + secs(SOAK));
+    assert_eq!(state(&p2).0, "Progressing");
+    assert_eq!(p2.rollout.unwrap().last_complete, Some(last));
+    // Too large to copy: the revisions only, and a warning.
+    let mut big = progressive(&all, "1", "nginx:1");
+    big.spec.template.metadata = Some(
+        serde_yaml::from_str(&format!("{{labels: {{big: '{}'}}}}", "x".repeat(COPY_MAX))).unwrap(),
+    );
+    let done: Observed = (all.iter())
+        .map(|c| ((*c).to_owned(), seen(&hash_for(&big, &m, c), true, t0)))
+        .collect();
+    let (p, _) = gated(&big, &m, &done, t0 + secs(SOAK));
+    let last = p.rollout.unwrap().last_complete.expect("kept");
+    assert_eq!(
+        (last.template, last.overrides.len(), last.revisions.len()),
+        (None, 0, 1)
+    );
+    assert!(
+        p.warnings
+            .iter()
+            .any(|w| w.contains("rollout abort cannot")),
+        "{:?}",
+        p.warnings
+    );
+}
+
+/// Halted in its second wave, the template set back to the last complete revision: every
+/// cluster that left it goes back at once, the wave-2 one too (without the kept
+/// revisions it would wait for wave 1's soak). A revision never completed is gated as
+/// before.
+#[test]
+fn going_back_to_the_last_complete_revision_is_never_held() {
+    let t0 = Instant::now();
+    let all = ["c1", "c2", "c3"];
+    let m = plain(&all);
+    let v1 = progressive(&all, "1", "nginx:1");
+    let v2 = progressive(&all, "1", "nginx:bad");
+    let on = |a: &FederatedMyApp, c: &str, ready: bool| {
+        (c.to_owned(), seen(&hash_for(a, &m, c), ready, t0))
+    };
+    let (complete, _) = gated(
+        &v1,
+        &m,
+        &[
+            on(&v1, "c1", true),
+            on(&v1, "c2", true),
+            on(&v1, "c3", true),
+        ]
+        .into(),
+        t0 + secs(SOAK),
+    );
+    // c1 soaked v2, c2 runs it not Ready past the deadline: halted at wave 2.
+    let halted: Observed = [
+        on(&v2, "c1", true),
+        on(&v2, "c2", false),
+        on(&v1, "c3", true),
+    ]
+    .into();
+    let (p, _) = gated(
+        &with_status_of(&v2, &complete),
+        &m,
+        &halted,
+        t0 + secs(DEADLINE),
+    );
+    assert_eq!(state(&p), ("Halted", 2, 3));
+    assert_eq!(held(&p), ["c3"]);
+    // Set back (what rollout abort writes): nobody held, each sent v1.
+    let back = with_status_of(&v1, &complete);
+    let (p, _) = gated(&back, &m, &halted, t0 + secs(DEADLINE));
+    assert!(held(&p).is_empty(), "{:?}", p.rollout);
+    for c in all {
+        assert_eq!(p.clusters[c].rendered().unwrap().hash, hash_for(&v1, &m, c));
+    }
+    // Without the kept revisions, c2 would wait for c1's soak.
+    let (p, _) = gated(&v1, &m, &halted, t0 + secs(DEADLINE));
+    assert_eq!(held(&p), ["c2"]);
+    // A third revision, never complete: gated in waves as any.
+    let v3 = with_status_of(&progressive(&all, "1", "nginx:3"), &complete);
+    let (p, _) = gated(&v3, &m, &halted, t0 + secs(DEADLINE));
+    assert_eq!(held(&p), ["c2", "c3"]);
+}
+
+/// An app dividing 6 replicas, on `clusters`, with `image`, in waves of one.
+fn weighted(clusters: &[&str], image: &str) -> FederatedMyApp {
+    let mut a = progressive(clusters, "1", image);
+    a.spec.placement.replica_scheduling =
+        Some(serde_yaml::from_str("{mode: Weighted, totalReplicas: 6}").unwrap());
+    a
+}
+
+/// nginx:1 completed on c1, c2 and c3; then nginx:bad, with c3 out of the placement,
+/// halted at wave 1 (c1 not Ready past the deadline), c2 still on nginx:1: the app, the
+/// members and the reports.
+fn halted_after_c3_left() -> (FederatedMyApp, Members, Observed) {
+    let t0 = Instant::now();
+    let all = ["c1", "c2", "c3"];
+    let m = plain(&all);
+    let v1 = weighted(&all, "nginx:1");
+    let on = |a: &FederatedMyApp, c: &str| (c.to_owned(), seen(&hash_for(a, &m, c), true, t0));
+    let done = [on(&v1, "c1"), on(&v1, "c2"), on(&v1, "c3")].into();
+    let (complete, _) = gated(&v1, &m, &done, t0 + secs(SOAK));
+    let v2 = with_status_of(&weighted(&["c1", "c2"], "nginx:bad"), &complete);
+    let mut halted: Observed = [on(&v1, "c2")].into();
+    halted.insert("c1".into(), seen(&hash_for(&v2, &m, "c1"), false, t0));
+    (v2, m, halted)
+}
+
+/// `app` gated past the deadline, then its held clusters resized.
+fn gated_and_resized(app: &FederatedMyApp, m: &Members, observed: &Observed) -> AppPlan {
+    let now = observed.values().map(|s| s.since).max().unwrap() + secs(DEADLINE);
+    let (mut p, _) = gated(app, m, observed, now);
+    resize_held(app, &mut p, observed, |s| {
+        plan(s, m, &Admission::default(), &Grants::default())
+    });
+    p
+}
+
+/// The total of 6 is divided 3/3 once c3 left, and held c2, which runs the last complete
+/// revision, is sent it again with 3 replicas (same revision, new count).
+#[test]
+fn a_held_cluster_on_the_last_complete_revision_takes_its_new_share() {
+    let (v2, m, halted) = halted_after_c3_left();
+    let p = gated_and_resized(&v2, &m, &halted);
+    assert_eq!(state(&p).0, "Halted");
+    assert_eq!(held(&p), ["c2"], "still held: status says so");
+    let ClusterPlan::Keep(KeepReason::Held { resized: Some(c2) }) = &p.clusters["c2"] else {
+        panic!("c2 not resized: {:?}", p.clusters["c2"]);
+    };
+    let sent = c2.to_value();
+    assert_eq!(sent["spec"]["replicas"], 3);
+    assert_eq!(sent["spec"]["image"], "nginx:1");
+    assert_eq!(
+        revision_of(&c2.hash),
+        revision_of(&halted["c2"].hash),
+        "the revision it runs"
+    );
+    assert!(
+        matches!(p.desired()["c2"], Desired::Apply(_)),
+        "sent as an Apply"
+    );
+}
+
+/// A held cluster on a revision no rollout completed, or with no copy of the spec kept,
+/// keeps what it runs, count included.
+#[test]
+fn any_other_held_cluster_keeps_its_count() {
+    let (v2, m, halted) = halted_after_c3_left();
+    let other = weighted(&["c1", "c2", "c3"], "nginx:0");
+    let mut elsewhere = halted.clone();
+    elsewhere.get_mut("c2").unwrap().hash = hash_for(&other, &m, "c2");
+    assert_eq!(gated_and_resized(&v2, &m, &elsewhere).clusters["c2"], HELD);
+    let mut no_copy = v2.clone();
+    let rollout = no_copy.status.as_mut().and_then(|s| s.rollout.as_mut());
+    rollout
+        .and_then(|r| r.last_complete.as_mut())
+        .unwrap()
+        .template = None;
+    assert_eq!(
+        gated_and_resized(&no_copy, &m, &halted).clusters["c2"],
+        HELD
+    );
+}
+
+/// A plan made before the object showed the last completion never writes an older one
+/// over it; a newer one replaces it.
+#[test]
+fn status_keeps_the_newest_completion() {
+    let completion = |generation| RolloutStatus {
+        last_complete: Some(CompletedRevision {
+            generation,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let kept = |planned: &RolloutStatus, shown: &RolloutStatus| {
+        with_newest_completion(Some(planned), Some(shown))
+            .and_then(|r| r.last_complete)
+            .map(|c| c.generation)
+    };
+    assert_eq!(kept(&completion(3), &completion(5)), Some(5));
+    assert_eq!(kept(&completion(5), &completion(3)), Some(5));
+    assert_eq!(kept(&RolloutStatus::default(), &completion(3)), Some(3));
+    assert_eq!(
+        with_newest_completion(None, Some(&completion(3))),
+        None,
+        "no rollout any more"
+    );
+}
+
 /// A report: of the current revision, the old one or none; Ready; fine, Degraded or
 /// failing to apply; seen since (seconds after the start).
 fn arb_seen() -> impl Strategy<Value = Option<(u8, bool, u8, u16)>> {
@@ -541,6 +775,7 @@ proptest! {
         away in proptest::collection::vec(any::<bool>(), 7),
         t in 0u64..400,
         dt in 0u64..400,
+        completed_before in any::<bool>(),
     ) {
         let t0 = Instant::now();
         let names: Vec<String> = (0..n).map(|i| format!("c{i}")).collect();
@@ -550,8 +785,15 @@ proptest! {
             if *a { m.get_mut(c).unwrap().not_ready_for = Some(secs(1)); }
         }
         let rollout = format!("{{type: Progressive, maxConcurrency: {max}, minSuccessSeconds: {SOAK}, progressDeadlineSeconds: {DEADLINE}, paused: {paused}}}");
-        let a = app(&refs, &rollout, "nginx:2", 2);
+        let mut a = app(&refs, &rollout, "nginx:2", 2);
         let old = app(&refs, &rollout, "nginx:1", 2);
+        if completed_before {
+            // nginx:2 completed once already (this is a way back to it).
+            let revisions = names.iter().filter_map(|c| revision_of(&hash_for(&a, &m, c)).map(str::to_owned));
+            let last_complete = CompletedRevision { revisions: revisions.collect::<BTreeSet<_>>().into_iter().collect(), ..Default::default() };
+            let rollout = RolloutStatus { last_complete: Some(last_complete), ..Default::default() };
+            a.status = Some(flotilla_crds::FederatedMyAppStatus { rollout: Some(rollout), ..Default::default() });
+        }
         let observed: Observed = names.iter().zip(&reports).filter_map(|(c, r)| {
             let (which, ready, bad, since) = (*r)?;
             let hash = match which { 0 => hash_for(&a, &m, c), 1 => hash_for(&old, &m, c), _ => String::new() };
@@ -568,19 +810,22 @@ proptest! {
         prop_assert_eq!(r.held_clusters as usize, held(&p).len());
         for (c, planned) in &p.clusters {
             if planned != &ungated.clusters[c] {
-                prop_assert_eq!(planned, &ClusterPlan::Keep(KeepReason::Held));
+                prop_assert_eq!(planned, &HELD);
                 prop_assert!(ungated.clusters[c].rendered().is_some());
                 let target = revision_of(&ungated.clusters[c].rendered().unwrap().hash);
                 let runs = observed.get(c).and_then(|s| revision_of(&s.hash));
                 prop_assert!(runs != target, "{} runs its revision but is held", c);
             }
-            if later.clusters[c] == ClusterPlan::Keep(KeepReason::Held) {
-                prop_assert_eq!(planned, &ClusterPlan::Keep(KeepReason::Held), "{} closed again with time", c);
+            if later.clusters[c] == HELD {
+                prop_assert_eq!(planned, &HELD, "{} closed again with time", c);
             }
         }
         if !paused && let Some(first) = names.first() {
             prop_assert!(p.clusters[first].rendered().is_some(), "the first wave is open");
         }
         prop_assert!(r.wave <= r.waves);
+        if completed_before {
+            prop_assert!(held(&p).is_empty(), "a way back to a complete revision is held");
+        }
     }
 }

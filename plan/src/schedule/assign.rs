@@ -141,13 +141,16 @@ fn reserve_frozen<'c>(clusters: &'c [Cluster<'_>], total: u32) -> (BTreeMap<&'c 
 impl<'c> Division<'c, '_> {
     /// The strategy's slot for each eligible cluster; nothing for the others.
     fn eligible_slots(&self) -> Vec<Slot> {
-        self.clusters
+        let mut slots: Vec<Slot> = self
+            .clusters
             .iter()
             .map(|c| match c.state {
                 State::Eligible => self.strategy.slot(c, self.request),
                 _ => Slot::NONE,
             })
-            .collect()
+            .collect();
+        self.strategy.bound_weights(&mut slots);
+        slots
     }
 
     /// The clusters that keep replicas or may take some, scored by their slot's weight.

@@ -196,6 +196,10 @@ impl<'a> Inputs<'a> {
     }
 }
 
+/// Under Capacity, how many times the median cluster's room one cluster's room counts for
+/// at most (see [`Strategy::bound_weights`]).
+pub const CAPACITY_TRUST: u64 = 4;
+
 /// How a divided mode weighs the clusters: what differs between Weighted and Capacity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Strategy {
@@ -253,6 +257,28 @@ impl Strategy {
                     prev: c.prev.replicas,
                 }
             }
+        }
+    }
+
+    /// Capacity: no cluster's room counts for more than [`CAPACITY_TRUST`] times the
+    /// median cluster's. Rooms are what agents say; one member that overstates its own
+    /// (a lie, or a bug) then takes at most that many parts of a Capacity app, and the
+    /// clusters that tell the truth keep theirs. Only the weight is bounded: a cluster
+    /// still takes up to its whole room when the others are full.
+    fn bound_weights(self, slots: &mut [Slot]) {
+        if self != Strategy::Capacity {
+            return;
+        }
+        let mut weights: Vec<u64> = slots.iter().map(|s| s.weight).filter(|w| *w > 0).collect();
+        if weights.len() < 2 {
+            return;
+        }
+        weights.sort_unstable();
+        // The lower median: a minority of clusters, however large their figures, cannot
+        // move it past what an honest one reports.
+        let ceiling = weights[(weights.len() - 1) / 2].saturating_mul(CAPACITY_TRUST);
+        for s in slots {
+            s.weight = s.weight.min(ceiling);
         }
     }
 
@@ -346,10 +372,18 @@ pub fn schedule(inp: &Inputs<'_>) -> Result<Schedule, ScheduleError> {
 /// replicas and reason, the desired total and the ready total.
 pub fn annotate(status: &mut FederatedMyAppStatus, schedule: &Schedule) {
     for c in &mut status.clusters {
+        // A member is ready with at most what it runs: its share, or with an autoscaler
+        // in the member, the MyApp's own limit. A lying agent's count must not inflate
+        // the total (review H2).
+        let mut most = MAX_PER_CLUSTER;
         if let Some(a) = schedule.clusters.get(&c.name) {
             c.replicas = Some(a.replicas as i32);
             c.scheduling_reason = Some(a.reason);
+            if c.autoscaler.is_none() {
+                most = a.replicas;
+            }
         }
+        c.ready_replicas = ready_within(c.ready_replicas, most) as i32;
     }
     status.replicas = Some(schedule.total() as i32);
     // Saturating: the counts are agents' reports, summed over up to 10,000 clusters.

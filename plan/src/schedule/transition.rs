@@ -40,7 +40,7 @@ fn attribute_failover(division: &Division<'_, '_>) -> Option<Vec<u32>> {
     if !clusters.iter().any(|c| c.state == State::FailedOver) {
         return None;
     }
-    let slots: Vec<Slot> = division
+    let mut slots: Vec<Slot> = division
         .slots
         .iter()
         .zip(clusters)
@@ -49,6 +49,7 @@ fn attribute_failover(division: &Division<'_, '_>) -> Option<Vec<u32>> {
             _ => s.clone(),
         })
         .collect();
+    division.strategy.bound_weights(&mut slots);
     apportion::divide(division.share, &slots).ok()
 }
 

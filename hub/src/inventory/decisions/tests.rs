@@ -40,7 +40,7 @@ fn chosen_are_the_placed_clusters_with_their_share_and_the_unrenderable_ones() {
             ("c".into(), ClusterPlan::Keep(KeepReason::FailedOver)),
             ("d".into(), ClusterPlan::Keep(KeepReason::Unplanned)),
             ("e".into(), ClusterPlan::Unknown),
-            ("f".into(), ClusterPlan::Keep(KeepReason::Held)),
+            ("f".into(), flotilla_plan::plan::HELD),
         ]),
         schedule: Some(Schedule {
             clusters: BTreeMap::from([(

@@ -89,19 +89,26 @@ fn annotate_fills_each_cluster_and_the_totals() {
     assert_eq!(status.clusters[1].scheduling_reason, Some(Weight));
 }
 
-/// Agents report the ready counts: a sum past `i32::MAX` saturates (a debug build would
-/// panic, a release build wrap to a negative count).
+/// Agents report the ready counts: each is read within the cluster's share (an agent
+/// saying `i32::MAX` or a negative count neither inflates the total nor overflows it),
+/// and within the MyApp's limit of 10 where an autoscaler in the member owns the count.
 #[test]
-fn annotate_saturates_the_ready_total() {
+fn annotate_reads_each_ready_count_within_the_share() {
     let s = Case::new(WEIGHTED_2_1_1).ok();
     let mut status: FederatedMyAppStatus = serde_yaml::from_str(&format!(
-        "clusters:\n- {{name: c1, readyReplicas: {}}}\n- {{name: c2, readyReplicas: 1}}\n- {{name: c3, readyReplicas: {}}}\n",
+        "clusters:\n- {{name: c1, readyReplicas: {}}}\n- {{name: c2, readyReplicas: {}}}\n- {{name: c3, readyReplicas: {}}}\n- {{name: c4, readyReplicas: {}}}\n",
+        i32::MAX,
+        i32::MIN,
         i32::MAX,
         i32::MAX
     ))
     .unwrap();
+    status.clusters[2].autoscaler = Some("hpa".into());
     annotate(&mut status, &s);
-    assert_eq!(status.ready_replicas, i32::MAX);
+    let ready: Vec<i32> = status.clusters.iter().map(|c| c.ready_replicas).collect();
+    // c1's share is 6, c3 is autoscaled (the MyApp's limit, 10), c4 has no share.
+    assert_eq!(ready, [6, 0, 10, 10]);
+    assert_eq!(status.ready_replicas, 26);
 }
 
 /// A status that lists only some clusters carries the whole division: it is what the

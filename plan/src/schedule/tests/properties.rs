@@ -92,4 +92,21 @@ proptest! {
             }
         }
     }
+
+    /// Under Capacity, a room claimed past `CAPACITY_TRUST` times the median counts as
+    /// that much: whatever one cluster says beyond it (up to `i64::MAX`), the division is
+    /// the same, so a lying member's pull on the others is bounded.
+    #[test]
+    fn a_claimed_room_past_the_bound_moves_nothing((total, clusters, _) in arb_case(), extra in 0i64..100) {
+        // Every cluster eligible, one honest one at least with room for a replica.
+        let mut clusters: Vec<ArbCluster> = clusters.into_iter().map(|(w, cpu, ..)| (w, cpu, false, None)).collect();
+        prop_assume!(clusters.len() > 1 && clusters.iter().any(|c| c.1 >= 500));
+        clusters.push((1, i64::MAX, false, None));
+        let huge = build(total, &clusters, 1).run();
+        // Honest rooms are under 8 replicas, so the bound is at most 4 × 8 = 32: a room
+        // for 33 + `extra` is past it, and its maximum never binds (the liar's weight is
+        // at most 4 × one honest cluster's, so it takes at most 4/5 of under 40).
+        clusters.last_mut().unwrap().1 = (33 + extra) * 500;
+        prop_assert_eq!(huge, build(total, &clusters, 1).run());
+    }
 }
