@@ -140,6 +140,15 @@ pub fn assigned(app: &impl ResourceExt) -> Option<i32> {
     app.annotations().get(ASSIGNED_ANNOTATION)?.parse().ok()
 }
 
+/// Whether someone other than the federation set the replicas of a MyApp the agent
+/// applied: they differ from what the agent last assigned it (its annotation; without
+/// one, from what it is about to assign). Only then may an autoscaler the cache does not
+/// show yet be scaling it: a change the federation makes alone needs no fresh look.
+pub fn set_by_someone_else(app: &flotilla_crds::MyApp, about_to_assign: i32) -> bool {
+    let runs = app.spec.replicas.unwrap_or(DEFAULT);
+    runs != assigned(app).unwrap_or(about_to_assign)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,5 +248,32 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(assigned(&app), Some(3));
+    }
+
+    fn myapp(replicas: Option<i32>, assigned: Option<&str>) -> flotilla_crds::MyApp {
+        let annotations = assigned.map_or(json!({}), |a| json!({ASSIGNED_ANNOTATION: a}));
+        serde_json::from_value(json!({
+            "apiVersion": "app.example.com/v1", "kind": "MyApp",
+            "metadata": {"name": "a", "namespace": "n", "annotations": annotations},
+            "spec": {"replicas": replicas}
+        }))
+        .unwrap()
+    }
+
+    /// A replicas change the federation makes alone (the MyApp still runs what it was
+    /// last assigned) needs no fresh look; replicas someone else set, or a MyApp without
+    /// the annotation whose replicas differ from the new assignment, do.
+    #[test]
+    fn replicas_set_by_someone_else_are_told_from_the_federation_s_own() {
+        assert!(!set_by_someone_else(&myapp(Some(3), Some("3")), 5));
+        assert!(!set_by_someone_else(&myapp(None, Some("1")), 4));
+        assert!(set_by_someone_else(&myapp(Some(7), Some("3")), 3));
+        assert!(set_by_someone_else(&myapp(Some(7), Some("3")), 5));
+        assert!(set_by_someone_else(&myapp(Some(2), None), 5));
+        assert!(!set_by_someone_else(&myapp(Some(5), None), 5));
+        assert!(set_by_someone_else(
+            &myapp(Some(3), Some("not a number")),
+            5
+        ));
     }
 }

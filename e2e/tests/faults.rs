@@ -11,6 +11,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
+use flotilla_crds::federated::HUB_FINALIZER;
 use flotilla_crds::{FederatedMyApp, MemberCluster};
 use flotilla_e2e::converge::{self, managed_myapps};
 use flotilla_e2e::deletions::DeletionLog;
@@ -644,6 +645,54 @@ async fn hub_sigkilled_while_an_orphaning_delete_is_in_flight() -> Result<()> {
             let unreleased = check_released_and_remove(&ctx, &released).await?;
             ensure!(unreleased.is_empty(), "not released: {unreleased:?}");
             verdict
+        }
+        .await;
+        (ctx, r)
+    })
+    .await
+}
+
+/// Waits until every one of the test's apps carries the hub's finalizer.
+async fn every_app_held(ctx: &Ctx) -> Result<()> {
+    let api = ctx.fedapps();
+    let prefix = format!("{}-", ctx.prefix);
+    let held = |a: &FederatedMyApp| a.finalizers().iter().any(|f| f == HUB_FINALIZER);
+    let what = "the hub's finalizer back on every app";
+    wait_for(CONVERGE, what, || async {
+        let apps = api.list(&ListParams::default()).await?;
+        let mut mine = apps
+            .items
+            .iter()
+            .filter(|a| a.name_any().starts_with(&prefix));
+        Ok(mine.all(held).then_some(()))
+    })
+    .await
+}
+
+/// The hub's finalizer stripped by hand from live apps while the hub is down, and one of
+/// them changed meanwhile: the restarted hub holds every copy (an app it does not hold
+/// is sent nowhere and taken from nowhere), puts its finalizer back, then rolls the
+/// change out. Nothing is deleted.
+#[tokio::test]
+async fn finalizers_stripped_while_the_hub_is_down_delete_nothing() -> Result<()> {
+    run("fault-unheld", |ctx| async move {
+        let r = async {
+            let log = DeletionLog::start(&ctx.env).await?;
+            let start = Instant::now();
+            faults::sigkill(&ctx.env, &ctx.f, HUB)?;
+            let strip = json!({"metadata": {"finalizers": null}});
+            for i in 0..APPS {
+                let name = ctx.name(i);
+                ctx.fedapps()
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&strip))
+                    .await
+                    .with_context(|| format!("stripping the finalizers of default/{name}"))?;
+            }
+            ctx.apply(0, 3).await?;
+            faults::start(&ctx.env, &ctx.f, HUB).await?;
+            every_app_held(&ctx).await?;
+            let fault = "finalizers-stripped-while-the-hub-is-down";
+            verdict(&ctx, fault, &log, start).await
         }
         .await;
         (ctx, r)
