@@ -519,29 +519,20 @@ async fn attacks(
             },
         )))
         .await?;
-    hostile
-        .send(report(&shared, |r| {
-            r.hash = hash.clone();
-            r.exists = true;
-            r.ready = true;
-            r.ready_replicas = i32::MIN;
-            r.replicas = Some(i32::MIN);
-            r.observed_generation = i64::MIN;
-            r.generation = i64::MIN;
-        }))
-        .await?;
-    // Readiness forged last: i32::MAX ready on its own share.
-    hostile
-        .send(report(&shared, |r| {
-            r.hash = hash.clone();
-            r.exists = true;
-            r.ready = true;
-            r.ready_replicas = i32::MAX;
-            r.replicas = Some(i32::MAX);
-            r.observed_generation = i64::MAX;
-            r.generation = i64::MAX;
-        }))
-        .await?;
+    // The extremes on its own share, readiness forged last: i32::MAX ready.
+    for (replicas, generation) in [(i32::MIN, i64::MIN), (i32::MAX, i64::MAX)] {
+        hostile
+            .send(report(&shared, |r| {
+                r.hash = hash.clone();
+                r.exists = true;
+                r.ready = true;
+                r.ready_replicas = replicas;
+                r.replicas = Some(replicas);
+                r.observed_generation = generation;
+                r.generation = generation;
+            }))
+            .await?;
+    }
 
     // What the hub made of it.
     wait_for(TIMEOUT, "the hub to count the clamped numbers", || async {
