@@ -512,8 +512,11 @@ async fn apply_deployment(
     let autoscaler = match ctx.autoscalers.of(&key) {
         Some(autoscaler) => Some(autoscaler),
         // The cache may not show yet an autoscaler that just scaled it: look again
-        // before overwriting replicas someone else set.
-        None if before.is_some() && live != wanted => ctx.autoscalers.of_fresh(&key).await?,
+        // before overwriting replicas someone else set (only then: a LIST on each change
+        // of the MyApp's own replicas would cost every such change a round trip).
+        None if live != wanted && before.as_ref().is_some_and(set_by_someone_else) => {
+            ctx.autoscalers.of_fresh(&key).await?
+        }
         None => None,
     };
     if let (Some(autoscaler), Some(live)) = (autoscaler, &before)
@@ -526,6 +529,13 @@ async fn apply_deployment(
         debug!(%autoscaler, "Deployment replicas left to the autoscaler");
     }
     apply_over(api, deployment, before).await.map(Some)
+}
+
+/// Whether a manager other than the operator's own apply owns the Deployment's replicas
+/// (an autoscaler's write through `/scale`, `kubectl scale`, the hand-back keeper).
+fn set_by_someone_else(deployment: &Deployment) -> bool {
+    let fields = deployment.managed_fields();
+    replicas::owned_by_another(fields, FIELD_MANAGER, replicas::spec_replicas)
 }
 
 async fn apply_over<K>(
@@ -636,5 +646,30 @@ mod tests {
             .expect("the operator did not stop")
             .unwrap();
         assert_eq!(readiness.waiting(), ["operator"]);
+    }
+
+    /// Only a Deployment whose replicas another manager wrote makes the operator look for
+    /// an autoscaler its cache may not show yet.
+    #[test]
+    fn replicas_the_operator_applied_alone_are_not_set_by_someone_else() {
+        let deployment = |entries: serde_json::Value| -> Deployment {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "a-deployment", "managedFields": entries},
+            }))
+            .unwrap()
+        };
+        let replicas = serde_json::json!({"f:spec": {"f:replicas": {}}});
+        let applied = serde_json::json!({"manager": FIELD_MANAGER, "operation": "Apply",
+            "apiVersion": "apps/v1", "fieldsType": "FieldsV1", "fieldsV1": replicas});
+        let scaled = serde_json::json!({"manager": "kube-controller-manager",
+            "operation": "Update", "subresource": "scale", "apiVersion": "apps/v1",
+            "fieldsType": "FieldsV1", "fieldsV1": replicas});
+        assert!(!set_by_someone_else(&deployment(serde_json::json!([
+            applied
+        ]))));
+        assert!(set_by_someone_else(&deployment(serde_json::json!([
+            applied, scaled
+        ]))));
+        assert!(!set_by_someone_else(&deployment(serde_json::json!([]))));
     }
 }
