@@ -271,9 +271,7 @@ mod tests {
         assert!(set_by_someone_else(&myapp(Some(7), Some("3")), 5));
         assert!(set_by_someone_else(&myapp(Some(2), None), 5));
         assert!(!set_by_someone_else(&myapp(Some(5), None), 5));
-        assert!(set_by_someone_else(
-            &myapp(Some(3), Some("not a number")),
-            5
-        ));
+        let unreadable = myapp(Some(3), Some("not a number"));
+        assert!(set_by_someone_else(&unreadable, 5));
     }
 }

@@ -652,24 +652,19 @@ mod tests {
     /// an autoscaler its cache may not show yet.
     #[test]
     fn replicas_the_operator_applied_alone_are_not_set_by_someone_else() {
-        let deployment = |entries: serde_json::Value| -> Deployment {
-            serde_json::from_value(serde_json::json!({
-                "metadata": {"name": "a-deployment", "managedFields": entries},
-            }))
-            .unwrap()
+        use serde_json::{Value, json};
+        let deployment = |entries: Value| -> Deployment {
+            let metadata = json!({"name": "a-deployment", "managedFields": entries});
+            serde_json::from_value(json!({ "metadata": metadata })).unwrap()
         };
-        let replicas = serde_json::json!({"f:spec": {"f:replicas": {}}});
-        let applied = serde_json::json!({"manager": FIELD_MANAGER, "operation": "Apply",
+        let replicas = json!({"f:spec": {"f:replicas": {}}});
+        let applied = json!({"manager": FIELD_MANAGER, "operation": "Apply",
             "apiVersion": "apps/v1", "fieldsType": "FieldsV1", "fieldsV1": replicas});
-        let scaled = serde_json::json!({"manager": "kube-controller-manager",
+        let scaled = json!({"manager": "kube-controller-manager",
             "operation": "Update", "subresource": "scale", "apiVersion": "apps/v1",
             "fieldsType": "FieldsV1", "fieldsV1": replicas});
-        assert!(!set_by_someone_else(&deployment(serde_json::json!([
-            applied
-        ]))));
-        assert!(set_by_someone_else(&deployment(serde_json::json!([
-            applied, scaled
-        ]))));
-        assert!(!set_by_someone_else(&deployment(serde_json::json!([]))));
+        assert!(!set_by_someone_else(&deployment(json!([applied]))));
+        assert!(set_by_someone_else(&deployment(json!([applied, scaled]))));
+        assert!(!set_by_someone_else(&deployment(json!([]))));
     }
 }
