@@ -19,6 +19,7 @@ use flotilla_crds::{FederatedMyApp, MemberCluster, MyApp};
 use flotilla_e2e::converge;
 use flotilla_e2e::deletions::DeletionLog;
 use flotilla_lab::federation::{Federation, HUB, OpenSession};
+use flotilla_lab::hubcli::HubCli;
 use flotilla_lab::support::sample;
 use flotilla_lab::{Env, wait_for};
 use flotilla_proto::WireKey;
@@ -261,20 +262,51 @@ async fn attempt(f: &Federation, token: &str, hello: pb::Hello) -> Result<tonic:
     }
 }
 
+/// What each test starts from, one test at a time: the lab, its federation, a host
+/// client, the hub's CLI, and a cluster of the test's own joined, with its token.
+struct Joined {
+    _one: tokio::sync::MutexGuard<'static, ()>,
+    env: Env,
+    f: Federation,
+    host: Client,
+    cli: HubCli,
+    token: String,
+}
+
+impl Joined {
+    async fn start(cluster: &str) -> Result<Joined> {
+        let one = ONE_AT_A_TIME.lock().await;
+        let env = Env::load_ready().await?;
+        let f = Federation::load(&env)?;
+        let host = env.client(env.host()).await?;
+        let cli = f.hub_cli(&env)?;
+        let token_file = env.dir.join("federation").join(format!("{cluster}.token"));
+        cli.join(cluster, &[], &token_file)?;
+        let token = std::fs::read_to_string(&token_file)?.trim().to_owned();
+        Ok(Joined {
+            _one: one,
+            env,
+            f,
+            host,
+            cli,
+            token,
+        })
+    }
+
+    /// The lab's member clusters, by name.
+    fn members(&self) -> Vec<String> {
+        self.env.members().iter().map(|m| m.to_string()).collect()
+    }
+}
+
 #[tokio::test]
 async fn a_hostile_agent_is_contained() -> Result<()> {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let env = Env::load_ready().await?;
-    let f = Federation::load(&env)?;
-    let host = env.client(env.host()).await?;
-    let cli = f.hub_cli(&env)?;
-    let members: Vec<String> = env.members().iter().map(|m| m.to_string()).collect();
+    let t = Joined::start(HOSTILE).await?;
+    let (env, f, host, cli, token) = (&t.env, &t.f, &t.host, &t.cli, &t.token);
+    let members = t.members();
     ensure!(members.len() >= 2, "needs two members, has {members:?}");
-    let token_file = env.dir.join("federation").join(format!("{HOSTILE}.token"));
-    cli.join(HOSTILE, &[], &token_file)?;
-    let token = std::fs::read_to_string(&token_file)?.trim().to_owned();
 
-    let outcome = attacks(&env, &f, &host, &token, &members).await;
+    let outcome = attacks(env, f, host, token, &members).await;
 
     let fedapps: Api<FederatedMyApp> = Api::namespaced(host.clone(), "default");
     for app in [SHARED, BYSTANDER] {
@@ -288,7 +320,7 @@ async fn a_hostile_agent_is_contained() -> Result<()> {
         Ok((!left.iter().any(|a| a.name_any().starts_with("hostile-"))).then_some(()))
     })
     .await?;
-    converge::wait_converged(&env, TIMEOUT).await?;
+    converge::wait_converged(env, TIMEOUT).await?;
     Ok(())
 }
 
@@ -689,36 +721,30 @@ async fn attacks(
 /// copies are deleted as they should be, and nothing else.
 #[tokio::test]
 async fn a_claim_delays_a_deletion_only_for_the_claim_wait() -> Result<()> {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let env = Env::load_ready().await?;
-    let f = Federation::load(&env)?;
-    let host = env.client(env.host()).await?;
-    let cli = f.hub_cli(&env)?;
-    let members: Vec<String> = env.members().iter().map(|m| m.to_string()).collect();
+    let t = Joined::start(CLAIMER).await?;
+    let (env, f, host, cli, token) = (&t.env, &t.f, &t.host, &t.cli, &t.token);
+    let members = t.members();
     let wait = format!("{}s", CLAIM_WAIT.as_secs());
-    f.stop(&env, HUB)?;
-    f.start_variant(&env, HUB, HUB, |l| l.set_arg("claim-wait", Some(&wait)))?;
+    f.stop(env, HUB)?;
+    f.start_variant(env, HUB, HUB, |l| l.set_arg("claim-wait", Some(&wait)))?;
     f.wait_ready(HUB).await?;
-    let token_file = env.dir.join("federation").join(format!("{CLAIMER}.token"));
-    cli.join(CLAIMER, &[], &token_file)?;
-    let token = std::fs::read_to_string(&token_file)?.trim().to_owned();
 
-    let outcome = claim(&env, &f, &host, &token, &members).await;
+    let outcome = claim(env, f, host, token, &members).await;
 
     let fedapps: Api<FederatedMyApp> = Api::namespaced(host.clone(), "default");
     let _ = fedapps.delete(CLAIMED, &DeleteParams::default()).await;
     let removed = cli.run(&["unjoin", CLAIMER]).map(drop);
     // The hub as `up` started it.
     let restored = async {
-        f.stop(&env, HUB)?;
-        f.start(&env, HUB)?;
+        f.stop(env, HUB)?;
+        f.start(env, HUB)?;
         f.wait_ready(HUB).await
     }
     .await;
     outcome?;
     removed?;
     restored?;
-    converge::wait_converged(&env, TIMEOUT).await?;
+    converge::wait_converged(env, TIMEOUT).await?;
     Ok(())
 }
 
@@ -857,16 +883,9 @@ async fn claim(
 #[tokio::test]
 async fn a_reconnect_loop_makes_a_bounded_number_of_host_writes() -> Result<()> {
     const LOOPER: &str = "hostile-looper-e2e";
-    let _one = ONE_AT_A_TIME.lock().await;
-    let env = Env::load_ready().await?;
-    let f = Federation::load(&env)?;
-    let host = env.client(env.host()).await?;
-    let cli = f.hub_cli(&env)?;
-    let token_file = env.dir.join("federation").join(format!("{LOOPER}.token"));
-    cli.join(LOOPER, &[], &token_file)?;
-    let token = std::fs::read_to_string(&token_file)?.trim().to_owned();
-    let outcome = reconnect_loop(&f, &host, &token, LOOPER).await;
-    let removed = cli.run(&["unjoin", LOOPER]).map(drop);
+    let t = Joined::start(LOOPER).await?;
+    let outcome = reconnect_loop(&t.f, &t.host, &t.token, LOOPER).await;
+    let removed = t.cli.run(&["unjoin", LOOPER]).map(drop);
     outcome.and(removed)
 }
 
@@ -923,22 +942,11 @@ async fn reconnect_loop(f: &Federation, host: &Client, token: &str, looper: &str
 #[tokio::test]
 async fn a_member_claiming_endless_room_takes_a_bounded_part() -> Result<()> {
     const ROOMY: &str = "hostile-roomy-e2e";
-    let _one = ONE_AT_A_TIME.lock().await;
-    let env = Env::load_ready().await?;
-    let f = Federation::load(&env)?;
-    let host = env.client(env.host()).await?;
-    let cli = f.hub_cli(&env)?;
-    let members: Vec<String> = env
-        .members()
-        .iter()
-        .take(2)
-        .map(|m| m.to_string())
-        .collect();
+    let t = Joined::start(ROOMY).await?;
+    let (env, f, host, cli, token) = (&t.env, &t.f, &t.host, &t.cli, &t.token);
+    let members: Vec<String> = t.members().into_iter().take(2).collect();
     ensure!(members.len() == 2, "needs two members, has {members:?}");
-    let token_file = env.dir.join("federation").join(format!("{ROOMY}.token"));
-    cli.join(ROOMY, &[], &token_file)?;
-    let token = std::fs::read_to_string(&token_file)?.trim().to_owned();
-    let outcome = roomy(&env, &f, &host, (ROOMY, &token), &members).await;
+    let outcome = roomy(env, f, host, (ROOMY, token), &members).await;
     let fedapps: Api<FederatedMyApp> = Api::namespaced(host.clone(), "default");
     let _ = fedapps.delete(ROOMY_APP, &DeleteParams::default()).await;
     let removed = cli.run(&["unjoin", ROOMY]).map(drop);
@@ -948,7 +956,7 @@ async fn a_member_claiming_endless_room_takes_a_bounded_part() -> Result<()> {
         Ok(fedapps.get_opt(ROOMY_APP).await?.is_none().then_some(()))
     })
     .await?;
-    converge::wait_converged(&env, TIMEOUT).await?;
+    converge::wait_converged(env, TIMEOUT).await?;
     Ok(())
 }
 

@@ -315,11 +315,7 @@ impl Dispatcher {
         let pushes = state.index.delete_app(key, orphan, placed, Instant::now());
         self.metrics.pairs.set(state.index.applied_pairs() as i64);
         route(&state, pushes);
-        let unheeded = unheeded_claims(&mut state.index);
-        let unheeded = (unheeded.into_iter())
-            .filter(|(k, _)| k == key)
-            .map(|(_, c)| c)
-            .collect();
+        let unheeded = unheeded_claims(&mut state.index, key);
         (state.index.deletion_waiting_on(key), unheeded)
     }
 
@@ -334,7 +330,7 @@ impl Dispatcher {
         };
         self.metrics.pairs.set(state.index.applied_pairs() as i64);
         route(&state, pushes);
-        unheeded_claims(&mut state.index);
+        unheeded_claims(&mut state.index, key);
     }
 
     /// Every app has been planned for exactly these registered clusters: clusters that
@@ -463,11 +459,12 @@ impl Dispatcher {
     }
 }
 
-/// Claims whose wait ended, each logged: the cluster's agent said it holds an app this
-/// hub never placed or sent there, and did not confirm its Delete in time.
-fn unheeded_claims(index: &mut Index) -> Vec<(AppKey, String)> {
-    let unheeded = index.take_unheeded_claims();
-    for (app, cluster) in &unheeded {
+/// The clusters whose claim on `app` stopped being waited for, each logged: the
+/// cluster's agent said it holds an app this hub never placed or sent there, and did not
+/// confirm its Delete in time.
+fn unheeded_claims(index: &mut Index, app: &AppKey) -> Vec<String> {
+    let unheeded = index.take_unheeded_claims(app);
+    for cluster in &unheeded {
         warn!(%app, %cluster, "the deletion goes on without a cluster that only claimed the MyApp (never placed or sent there) and did not confirm its Delete within --claim-wait");
     }
     unheeded

@@ -299,10 +299,15 @@ impl Index {
         pushes
     }
 
-    /// The (app, cluster) pairs whose claim-only wait ended since the last call: the
-    /// deletion went on without them (the hub says so in an Event and its log).
-    pub fn take_unheeded_claims(&mut self) -> Vec<(AppKey, String)> {
-        std::mem::take(&mut self.unheeded)
+    /// The clusters whose claim-only wait on `key`'s deletion ended since the last call
+    /// for it: the deletion went on without them (the hub says so in an Event and its
+    /// log).
+    pub fn take_unheeded_claims(&mut self, key: &AppKey) -> Vec<String> {
+        let (mine, others) = std::mem::take(&mut self.unheeded)
+            .into_iter()
+            .partition(|(app, _)| app == key);
+        self.unheeded = others;
+        mine.into_iter().map(|(_, cluster)| cluster).collect()
     }
 
     /// The app vanished from the host without its finalizer (removed by hand): delete it
@@ -777,19 +782,16 @@ mod tests {
             now() + wait - Duration::from_millis(1),
         );
         assert_eq!(ix.deletion_waiting_on(&claimed), ["c1"], "within the wait");
-        assert!(ix.take_unheeded_claims().is_empty());
+        assert!(ix.take_unheeded_claims(&claimed).is_empty());
         ix.delete_app(&claimed, false, &[], now() + wait);
         assert!(ix.deletion_waiting_on(&claimed).is_empty(), "past the wait");
-        assert_eq!(
-            ix.take_unheeded_claims(),
-            [(claimed.clone(), "c1".to_owned())]
-        );
+        assert_eq!(ix.take_unheeded_claims(&claimed), ["c1"]);
         ix.delete_app(&claimed, false, &[], now() + wait * 2);
         assert!(
             ix.deletion_waiting_on(&claimed).is_empty(),
             "not waited for again"
         );
-        assert!(ix.take_unheeded_claims().is_empty(), "said once");
+        assert!(ix.take_unheeded_claims(&claimed).is_empty(), "said once");
     }
 
     /// An orphaning delete waits for a claimer however long it takes: past the wait its
@@ -802,7 +804,7 @@ mod tests {
         assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=true")]);
         ix.delete_app(&key("a"), true, &[], now() + Duration::from_secs(86_400));
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
-        assert!(ix.take_unheeded_claims().is_empty());
+        assert!(ix.take_unheeded_claims(&key("a")).is_empty());
         ix.report("c1", &key("a"), Held::Absent);
         assert!(ix.deletion_waiting_on(&key("a")).is_empty(), "released");
     }
@@ -810,11 +812,15 @@ mod tests {
     #[test]
     fn a_claim_is_sent_its_delete_even_with_no_wait() {
         let mut ix = Index::with_claim_wait(Duration::ZERO);
-        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.connect("c1", &hello(&[("a", "h"), ("b", "h")]));
         let pushes = ix.delete_app(&key("a"), false, &[], now());
         assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=false")]);
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
-        assert_eq!(ix.take_unheeded_claims(), [(key("a"), "c1".to_owned())]);
+        ix.delete_app(&key("b"), false, &[], now());
+        // Each app's unheeded claims are taken by that app's name alone.
+        assert_eq!(ix.take_unheeded_claims(&key("a")), ["c1"]);
+        assert!(ix.take_unheeded_claims(&key("a")).is_empty());
+        assert_eq!(ix.take_unheeded_claims(&key("b")), ["c1"]);
     }
 
     #[test]
@@ -826,7 +832,7 @@ mod tests {
         ix.disconnect("c1");
         ix.delete_app(&key("a"), false, &[], now() + wait);
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
-        assert_eq!(ix.take_unheeded_claims(), [(key("a"), "c1".to_owned())]);
+        assert_eq!(ix.take_unheeded_claims(&key("a")), ["c1"]);
     }
 
     #[test]
@@ -852,7 +858,7 @@ mod tests {
         // Even once the spec no longer names c3 (the recheck passes what it places now).
         ix.delete_app(&key("a"), false, &[], later);
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1", "c2", "c3"]);
-        assert!(ix.take_unheeded_claims().is_empty());
+        assert!(ix.take_unheeded_claims(&key("a")).is_empty());
         // An Apply in flight to a connected agent that has not reported it yet.
         ix.set_app(&key("b"), None, plan(&[("c4", rendered("h"))]));
         ix.connect("c4", &HashMap::new());

@@ -514,7 +514,7 @@ async fn apply_deployment(
         // The cache may not show yet an autoscaler that just scaled it: look again
         // before overwriting replicas someone else set (only then: a LIST on each change
         // of the MyApp's own replicas would cost every such change a round trip).
-        None if live != wanted && before.as_ref().is_some_and(set_by_someone_else) => {
+        None if live != wanted && before.as_ref().is_some_and(replicas_written_by_another) => {
             ctx.autoscalers.of_fresh(&key).await?
         }
         None => None,
@@ -533,7 +533,7 @@ async fn apply_deployment(
 
 /// Whether a manager other than the operator's own apply owns the Deployment's replicas
 /// (an autoscaler's write through `/scale`, `kubectl scale`, the hand-back keeper).
-fn set_by_someone_else(deployment: &Deployment) -> bool {
+fn replicas_written_by_another(deployment: &Deployment) -> bool {
     let fields = deployment.managed_fields();
     replicas::owned_by_another(fields, FIELD_MANAGER, replicas::spec_replicas)
 }
@@ -651,7 +651,7 @@ mod tests {
     /// Only a Deployment whose replicas another manager wrote makes the operator look for
     /// an autoscaler its cache may not show yet.
     #[test]
-    fn replicas_the_operator_applied_alone_are_not_set_by_someone_else() {
+    fn replicas_the_operator_applied_alone_are_not_written_by_another() {
         use serde_json::{Value, json};
         let deployment = |entries: Value| -> Deployment {
             let metadata = json!({"name": "a-deployment", "managedFields": entries});
@@ -663,8 +663,10 @@ mod tests {
         let scaled = json!({"manager": "kube-controller-manager",
             "operation": "Update", "subresource": "scale", "apiVersion": "apps/v1",
             "fieldsType": "FieldsV1", "fieldsV1": replicas});
-        assert!(!set_by_someone_else(&deployment(json!([applied]))));
-        assert!(set_by_someone_else(&deployment(json!([applied, scaled]))));
-        assert!(!set_by_someone_else(&deployment(json!([]))));
+        assert!(!replicas_written_by_another(&deployment(json!([applied]))));
+        assert!(replicas_written_by_another(&deployment(json!([
+            applied, scaled
+        ]))));
+        assert!(!replicas_written_by_another(&deployment(json!([]))));
     }
 }
