@@ -31,10 +31,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use bytes::Bytes;
 use flotilla_crds::{FederatedMyApp, MemberCluster};
-use flotilla_hub::auth::token_sha256;
+use flotilla_hub::auth::{MemberLookup, token_sha256};
 use flotilla_hub::dispatch::Dispatcher;
 use flotilla_hub::membership::{self, Membership};
-use flotilla_hub::server::FederationService;
+use flotilla_hub::server::{FederationService, Host, Warning};
 use flotilla_hub::status::{Planned, StatusBoard};
 use flotilla_plan::admission::Admission;
 use flotilla_plan::grants::Grants;
@@ -44,7 +44,8 @@ use flotilla_plan::planner::key_of;
 use flotilla_proto::client::{self, Dial, MAX_MESSAGE};
 use flotilla_proto::v1::federation_server::{Federation, FederationServer};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
-use kube::runtime::{reflector, watcher};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::watcher;
 use prost::Message as _;
 use secrecy::ExposeSecret;
 use serde_json::json;
@@ -320,17 +321,29 @@ fn hub_service(
             Duration::from_secs(3600),
             Default::default(),
         )),
-        members: store,
+        host: Arc::new(NoEvents(store)),
         leading,
-        // No host: its only Event (a held-back collection) never happens here.
-        recorder: kube::runtime::events::Recorder::new(
-            kube::Client::try_from(kube::Config::new("http://127.0.0.1:1".parse()?))?,
-            "flotilla-hub-bench".into(),
-        ),
         admissions: Default::default(),
         refusals: Default::default(),
     };
     Ok((service, apps))
+}
+
+/// The MemberClusters, and no Events: the service's (an expired token, a held-back
+/// collection) never happen here.
+struct NoEvents(Store<MemberCluster>);
+
+impl MemberLookup for NoEvents {
+    fn member(&self, name: &str) -> Option<Arc<MemberCluster>> {
+        self.0.member(name)
+    }
+}
+
+#[tonic::async_trait]
+impl Host for NoEvents {
+    async fn warn(&self, cluster: &str, warning: Warning) {
+        unreachable!("{cluster}: {warning:?}")
+    }
 }
 
 /// The floor: streams prebuilt messages, reads the acknowledgements, nothing else.

@@ -154,13 +154,20 @@ fn parse(authorization: Option<&str>) -> Result<(&str, &str), AuthError> {
     }
 }
 
-pub fn member(store: &Store<MemberCluster>, name: &str) -> Option<Arc<MemberCluster>> {
-    store.get(&ObjectRef::new(name))
+/// Where MemberClusters are read by name: the hub's reflector store.
+pub trait MemberLookup: Send + Sync {
+    fn member(&self, name: &str) -> Option<Arc<MemberCluster>>;
+}
+
+impl MemberLookup for Store<MemberCluster> {
+    fn member(&self, name: &str) -> Option<Arc<MemberCluster>> {
+        self.get(&ObjectRef::new(name))
+    }
 }
 
 /// The session's identity, if the token is one the cluster it names accepts at `now`.
 pub fn authenticate(
-    members: &Store<MemberCluster>,
+    members: &(impl MemberLookup + ?Sized),
     authorization: Option<&str>,
     now: Timestamp,
 ) -> Result<Identity, AuthError> {
@@ -170,7 +177,7 @@ pub fn authenticate(
         token_hash: token_sha256(token),
     };
     // Comparing digests, not secrets: timing reveals nothing usable about the token.
-    match member(members, cluster) {
+    match members.member(cluster) {
         Some(m) if m.metadata.deletion_timestamp.is_none() => {
             match accepts(&m.spec, &identity.token_hash, now) {
                 Ok(_) => Ok(identity),
@@ -187,8 +194,8 @@ pub fn authenticate(
 
 /// Whether the MemberCluster no longer accepts this identity's token: gone, being
 /// deleted, revoked, rotated or expired.
-pub fn revoked(members: &Store<MemberCluster>, identity: &Identity) -> bool {
-    member(members, &identity.cluster).is_none_or(|m| {
+pub fn revoked(members: &(impl MemberLookup + ?Sized), identity: &Identity) -> bool {
+    members.member(&identity.cluster).is_none_or(|m| {
         m.metadata.deletion_timestamp.is_some()
             || accepts(&m.spec, &identity.token_hash, Timestamp::now()).is_err()
     })

@@ -3,7 +3,7 @@
 //! `controller` (FederatedMyApp reconcile into the index through `flotilla_plan::plan`,
 //! the finalizer, Events, planning passes), `dispatch` (per-agent queues over the index),
 //! `auth` (tokens), `renew` (tokens renewed over the sessions before they expire), `edge` (the bounds on the gRPC port, before and after authentication),
-//! `server` (the gRPC service agents dial), `serving` (its certificate, reloaded when its files change), `convert` (what the hub reads out of agents'
+//! `server` (the gRPC service agents dial, which reaches the host only through its `Host` trait), `serving` (its certificate, reloaded when its files change), `convert` (what the hub reads out of agents'
 //! messages, bounded), `status` (the board of plans and reports, and the
 //! writer of FederatedMyApp status), `membership` (MemberCluster watch, heartbeats and
 //! capacity → MemberCluster status), `writes` (what both status writers share: merge

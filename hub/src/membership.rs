@@ -28,10 +28,11 @@ use flotilla_plan::planner::{capacity, shape};
 use futures::{Stream, StreamExt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::Store;
 use kube::runtime::watcher;
+use kube::{Resource as _, ResourceExt};
 use parking_lot::Mutex;
 use serde_json::Value;
 use tokio::sync::watch;
@@ -39,9 +40,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::auth;
+use crate::auth::{self, MemberLookup as _};
 use crate::convert::{HELLO_STRING_MAX as AGENT_STRING_MAX, capped};
 use crate::dispatch::Dispatcher;
+use crate::server;
 use crate::status::StatusBoard;
 use crate::writes::{self, Failure, Tracker, Write, WriteMetrics};
 
@@ -353,6 +355,38 @@ pub fn collection_blocked_message(cluster: &str, would_collect: u32, managed: u3
 }
 
 pub use flotilla_crds::CONFIRM_COLLECTION_ANNOTATION;
+
+/// The host as the agent service sees it ([`server::Host`]): the hub's MemberCluster
+/// store, and Events on them through the hub's recorder.
+pub struct HostMembers {
+    pub members: Store<MemberCluster>,
+    pub recorder: Recorder,
+}
+
+impl auth::MemberLookup for HostMembers {
+    fn member(&self, name: &str) -> Option<Arc<MemberCluster>> {
+        self.members.member(name)
+    }
+}
+
+#[tonic::async_trait]
+impl server::Host for HostMembers {
+    async fn warn(&self, cluster: &str, warning: server::Warning) {
+        let Some(member) = self.members.member(cluster) else {
+            return;
+        };
+        let event = Event {
+            type_: EventType::Warning,
+            reason: warning.reason.into(),
+            note: Some(warning.note),
+            action: warning.action.into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, &member.object_ref(&())).await {
+            warn!(%cluster, error = %e, reason = warning.reason, "publishing an Event on the MemberCluster failed");
+        }
+    }
+}
 
 /// One cluster's CollectionBlocked Events are published at most this often.
 pub const COLLECTION_BLOCKED_EVENT_EVERY: Duration = Duration::from_secs(60);

@@ -41,7 +41,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::auth::{self, NotAccepted, Renewal};
+use crate::auth::{self, MemberLookup as _, NotAccepted, Renewal};
 use crate::dispatch::{ClusterQueue, Dispatcher};
 
 /// A token recorded as a cluster's next one and sent, not yet made current. Kept so
@@ -165,7 +165,7 @@ impl Renewer {
 
     async fn step(&self, session: &ClusterQueue) {
         let cluster = session.cluster();
-        let Some(member) = auth::member(&self.members, cluster) else {
+        let Some(member) = self.members.member(cluster) else {
             return;
         };
         let hash = session.identity().token_hash;
@@ -301,7 +301,7 @@ impl Renewer {
             p.acked = true;
         }
         if self.settle(session)
-            && let Some(member) = auth::member(&self.members, cluster)
+            && let Some(member) = self.members.member(cluster)
         {
             let hash = session.identity().token_hash;
             self.promote(session, &member, &hash).await;
@@ -320,7 +320,9 @@ impl Renewer {
         else {
             return false;
         };
-        let staged = auth::member(&self.members, cluster)
+        let staged = self
+            .members
+            .member(cluster)
             .is_some_and(|m| m.spec.next_token_sha256.as_deref() == Some(p.hash.as_str()));
         if staged {
             session.set_token_hash(&p.hash);

@@ -340,9 +340,11 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
         dispatcher,
         status: status.clone(),
         membership: membership.clone(),
-        members: members.clone(),
+        host: Arc::new(membership::HostMembers {
+            members: members.clone(),
+            recorder: ctx.recorder.clone(),
+        }),
         leading: leading.clone(),
-        recorder: ctx.recorder.clone(),
         admissions: Default::default(),
         refusals,
     };

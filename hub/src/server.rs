@@ -8,16 +8,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use flotilla_crds::MemberCluster;
 use flotilla_plan::index::AppKey;
 use flotilla_proto::WireKey;
 use flotilla_proto::client::MAX_AGENT_MESSAGE;
 use flotilla_proto::v1::federation_server::Federation;
 use flotilla_proto::v1::{self as pb, agent_message};
 use k8s_openapi::jiff::Timestamp;
-use kube::Resource;
-use kube::runtime::events::{Event, EventType, Recorder};
-use kube::runtime::reflector::{ObjectRef, Store};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -43,15 +39,32 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// just created): past it, the agent is told to retry.
 const PLANNED_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// What the service needs of the host cluster: the MemberClusters (tokens, identity) and
+/// Warning Events on them. The hub's is [`membership::HostMembers`]; behind a trait so
+/// that the service is served, and tested, without a host.
+#[tonic::async_trait]
+pub trait Host: auth::MemberLookup {
+    /// Publishes `warning` on `cluster`'s MemberCluster, if there is one. Best effort: a
+    /// failure is logged, never returned.
+    async fn warn(&self, cluster: &str, warning: Warning);
+}
+
+/// A Warning Event on a MemberCluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Warning {
+    pub reason: &'static str,
+    pub action: &'static str,
+    pub note: String,
+}
+
 pub struct FederationService {
     pub dispatcher: Arc<Dispatcher>,
     pub status: Arc<StatusBoard>,
     pub membership: Arc<Membership>,
-    pub members: Store<MemberCluster>,
+    /// MemberClusters, and Events on them (an expired token, a held-back collection).
+    pub host: Arc<dyn Host>,
     /// Only the leading hub serves agents.
     pub leading: tokio::sync::watch::Receiver<bool>,
-    /// Events on MemberClusters (a held-back collection).
-    pub recorder: Recorder,
     /// One session per cluster being admitted, checked before its Hello is read.
     pub admissions: Arc<Admissions>,
     pub refusals: RefusalMetrics,
@@ -144,13 +157,13 @@ impl Federation for FederationService {
                 "this hub is a standby; the leading hub serves agents",
             ));
         }
-        let identity = match auth::authenticate(&self.members, authorization, Timestamp::now()) {
+        let identity = match auth::authenticate(&*self.host, authorization, Timestamp::now()) {
             Ok(identity) => identity,
             Err(e @ AuthError::Expired { .. }) => {
                 self.refusals.count(Refusal::TokenExpired);
                 warn!(error = %e, "an expired token refused");
                 if let AuthError::Expired { cluster, .. } = &e {
-                    token_expired_event(&self.recorder, &self.members, cluster, &e).await;
+                    self.host.warn(cluster, token_expired(&e)).await;
                 }
                 return Err(refused(e));
             }
@@ -207,7 +220,9 @@ impl Federation for FederationService {
                 hello.cluster
             )));
         }
-        if let Some(why) = auth::member(&self.members, &cluster)
+        if let Some(why) = self
+            .host
+            .member(&cluster)
             .and_then(|m| membership::foreign_cluster(&m, &hello.cluster_uid, &hello.cluster_id))
         {
             warn!(%cluster, "{why}");
@@ -226,7 +241,7 @@ impl Federation for FederationService {
             .into_iter()
             .filter_map(|m| Some((AppKey::from_wire(m.key)?, m.hash)))
             .collect();
-        if auth::revoked(&self.members, &identity) {
+        if auth::revoked(&*self.host, &identity) {
             return Err(self.revoked_while_admitted(&cluster));
         }
         let queue = self
@@ -248,7 +263,7 @@ impl Federation for FederationService {
         }
         // Checked again after `connect`: a revocation after this check finds the session
         // registered, and the revocation sweep closes it.
-        if auth::revoked(&self.members, &identity) {
+        if auth::revoked(&*self.host, &identity) {
             self.dispatcher.disconnect(&queue);
             return Err(self.revoked_while_admitted(&cluster));
         }
@@ -261,7 +276,7 @@ impl Federation for FederationService {
         tokio::spawn(send_loop(
             queue.clone(),
             self.dispatcher.clone(),
-            self.members.clone(),
+            self.host.clone(),
             tx.clone(),
         ));
         tokio::spawn(receive_loop(
@@ -274,59 +289,33 @@ impl Federation for FederationService {
             self.dispatcher.clone(),
             self.status.clone(),
             self.membership.clone(),
-            (self.recorder.clone(), self.members.clone()),
+            self.host.clone(),
             self.renewer.clone(),
         ));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
 
-/// A Warning Event on the MemberCluster: `kubectl describe membercluster` and event
-/// pipelines see the held-back collection beside the condition.
-async fn collection_blocked_event(
-    recorder: &Recorder,
-    members: &Store<MemberCluster>,
-    cluster: &str,
-    blocked: &pb::CollectionBlocked,
-) {
-    let Some(member) = members.get(&ObjectRef::new(cluster)) else {
-        return;
-    };
-    let event = Event {
-        type_: EventType::Warning,
-        reason: "CollectionBlocked".into(),
-        note: Some(membership::collection_blocked_message(
+/// `kubectl describe membercluster` and event pipelines see the held-back collection
+/// beside the condition.
+fn collection_blocked(cluster: &str, blocked: &pb::CollectionBlocked) -> Warning {
+    Warning {
+        reason: "CollectionBlocked",
+        action: "Collect",
+        note: membership::collection_blocked_message(
             cluster,
             blocked.would_collect,
             blocked.managed,
-        )),
-        action: "Collect".into(),
-        secondary: None,
-    };
-    if let Err(e) = recorder.publish(&event, &member.object_ref(&())).await {
-        warn!(%cluster, error = %e, "publishing the CollectionBlocked Event failed");
+        ),
     }
 }
 
-/// A Warning Event on the MemberCluster an expired token was presented for.
-async fn token_expired_event(
-    recorder: &Recorder,
-    members: &Store<MemberCluster>,
-    cluster: &str,
-    error: &AuthError,
-) {
-    let Some(member) = members.get(&ObjectRef::new(cluster)) else {
-        return;
-    };
-    let event = Event {
-        type_: EventType::Warning,
-        reason: "TokenExpired".into(),
-        note: Some(error.to_string()),
-        action: "Authenticate".into(),
-        secondary: None,
-    };
-    if let Err(e) = recorder.publish(&event, &member.object_ref(&())).await {
-        warn!(%cluster, error = %e, "publishing the TokenExpired Event failed");
+/// Said on the MemberCluster an expired token was presented for.
+fn token_expired(error: &AuthError) -> Warning {
+    Warning {
+        reason: "TokenExpired",
+        action: "Authenticate",
+        note: error.to_string(),
     }
 }
 
@@ -334,7 +323,7 @@ async fn token_expired_event(
 async fn send_loop(
     q: Arc<ClusterQueue>,
     dispatcher: Arc<Dispatcher>,
-    members: Store<MemberCluster>,
+    host: Arc<dyn Host>,
     tx: mpsc::Sender<Result<pb::HubMessage, Status>>,
 ) {
     loop {
@@ -343,7 +332,7 @@ async fn send_loop(
             // closed (revoked, cluster removed, hub stopping).
             biased;
             _ = q.closed.cancelled() => {
-                let why = if auth::revoked(&members, &q.identity()) {
+                let why = if auth::revoked(&*host, &q.identity()) {
                     Status::unauthenticated(format!("credential for cluster {:?} was revoked", q.cluster()))
                 } else {
                     Status::unavailable("the hub closed the session; reconnect")
@@ -405,7 +394,7 @@ async fn receive_loop(
     dispatcher: Arc<Dispatcher>,
     status: Arc<StatusBoard>,
     membership: Arc<Membership>,
-    (recorder, members): (Recorder, Store<MemberCluster>),
+    host: Arc<dyn Host>,
     renewer: Arc<Renewer>,
 ) {
     let Inbound {
@@ -454,7 +443,7 @@ async fn receive_loop(
                     .collection_blocked(&cluster, b.would_collect);
                 let figures = (b.would_collect, b.managed);
                 if membership.collection_blocked(&cluster, figures, tokio::time::Instant::now()) {
-                    collection_blocked_event(&recorder, &members, &cluster, &b).await;
+                    host.warn(&cluster, collection_blocked(&cluster, &b)).await;
                 }
             }
             Ok(Some(pb::AgentMessage {

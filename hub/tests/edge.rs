@@ -8,15 +8,17 @@ use std::time::Duration;
 
 use flotilla_crds::MemberCluster;
 use flotilla_hub::auth;
+use flotilla_hub::auth::MemberLookup;
 use flotilla_hub::dispatch::Dispatcher;
 use flotilla_hub::edge::{Admissions, EdgeLimits, Refusal, RefusalMetrics};
 use flotilla_hub::membership::Membership;
-use flotilla_hub::server::{self, FederationService};
+use flotilla_hub::server::{self, FederationService, Host, Warning};
 use flotilla_hub::status::StatusBoard;
 use flotilla_proto::client::{self, Dial, DialError, HubClient, MAX_AGENT_MESSAGE};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
-use kube::runtime::reflector::{self, store::Writer};
+use kube::runtime::reflector::{self, Store, store::Writer};
 use kube::runtime::watcher;
+use parking_lot::Mutex;
 use secrecy::{ExposeSecret, SecretString};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -37,9 +39,40 @@ struct Hub {
     ca_pem: String,
     tokens: Vec<(String, SecretString)>,
     members: Writer<MemberCluster>,
+    host: Arc<FakeHost>,
     dispatcher: Arc<Dispatcher>,
     refusals: RefusalMetrics,
     shutdown: CancellationToken,
+}
+
+/// The host as the service sees it: the MemberClusters in a real reflector store, and
+/// the Warning Events it would publish, kept in order.
+struct FakeHost {
+    members: Store<MemberCluster>,
+    warnings: Mutex<Vec<(String, Warning)>>,
+}
+
+impl MemberLookup for FakeHost {
+    fn member(&self, name: &str) -> Option<Arc<MemberCluster>> {
+        self.members.member(name)
+    }
+}
+
+#[tonic::async_trait]
+impl Host for FakeHost {
+    async fn warn(&self, cluster: &str, warning: Warning) {
+        self.warnings.lock().push((cluster.to_owned(), warning));
+    }
+}
+
+impl FakeHost {
+    /// The reasons of the Events on `cluster`'s MemberCluster so far.
+    fn reasons(&self, cluster: &str) -> Vec<&'static str> {
+        (self.warnings.lock().iter())
+            .filter(|(c, _)| c == cluster)
+            .map(|(_, w)| w.reason)
+            .collect()
+    }
 }
 
 fn member(name: &str, token: Option<&SecretString>) -> MemberCluster {
@@ -72,6 +105,10 @@ impl Hub {
             members.apply_watcher_event(&watcher::Event::InitApply(member(c, Some(t))));
         }
         members.apply_watcher_event(&watcher::Event::InitDone);
+        let host = Arc::new(FakeHost {
+            members: store.clone(),
+            warnings: Mutex::default(),
+        });
         let dispatcher = Arc::new(Dispatcher::default());
         if planned {
             dispatcher.planned_for(CLUSTERS.iter().map(|c| c.to_string()).collect());
@@ -95,13 +132,8 @@ impl Hub {
                 Duration::from_secs(3600),
                 Default::default(),
             )),
-            members: store,
+            host: host.clone(),
             leading,
-            recorder: kube::runtime::events::Recorder::new(
-                kube::Client::try_from(kube::Config::new("http://127.0.0.1:1".parse().unwrap()))
-                    .unwrap(),
-                "edge-test".into(),
-            ),
             admissions: Arc::new(Admissions::default()),
             refusals: refusals.clone(),
         };
@@ -129,6 +161,7 @@ impl Hub {
             ca_pem: certs.ca_pem,
             tokens,
             members,
+            host,
             dispatcher,
             refusals,
             shutdown,
@@ -468,4 +501,61 @@ async fn cut_and_refused_input_is_counted() {
     let result = client::open_session(&mut c2, odd, 4).await;
     assert_eq!(refused(result), Code::InvalidArgument);
     assert_eq!(hub.refusals.get(Refusal::LongString), 3);
+}
+
+/// The hub says on the MemberCluster why an agent cannot connect (its token expired),
+/// and, once a minute at most, that its agent holds back a collection: the operator sees
+/// both in `kubectl describe membercluster`.
+#[tokio::test]
+async fn an_expired_token_and_a_held_back_collection_are_told_on_the_membercluster() {
+    let mut hub = Hub::start(EdgeLimits::default(), true).await;
+    let expired = {
+        let mut m = member("c1", Some(hub.token("c1")));
+        let past =
+            k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(1);
+        m.spec.token_expires_at = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(past));
+        m
+    };
+    hub.members
+        .apply_watcher_event(&watcher::Event::Apply(expired));
+    let mut c1 = hub.connect("c1").await;
+    let result = client::open_session(&mut c1, hello("c1"), 4).await;
+    assert_eq!(refused(result), Code::Unauthenticated);
+    assert_eq!(hub.host.reasons("c1"), ["TokenExpired"]);
+    assert_eq!(hub.refusals.get(Refusal::TokenExpired), 1);
+    let note = hub.host.warnings.lock()[0].1.note.clone();
+    assert!(note.contains("c1") && note.contains("expired"), "{note}");
+
+    let mut c2 = hub.connect("c2").await;
+    let (tx, _inbound) = session(&mut c2, "c2").await;
+    for would_collect in [3, 4] {
+        tx.send(pb::AgentMessage {
+            kind: Some(agent_message::Kind::CollectionBlocked(
+                pb::CollectionBlocked {
+                    would_collect,
+                    managed: 5,
+                },
+            )),
+        })
+        .await
+        .unwrap();
+    }
+    tokio::time::timeout(PATIENCE, async {
+        while hub.host.reasons("c2").is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the held-back collection is told");
+    tokio::time::sleep(A_WHILE).await;
+    assert_eq!(
+        hub.host.reasons("c2"),
+        ["CollectionBlocked"],
+        "once a minute at most"
+    );
+    let note = hub.host.warnings.lock()[1].1.note.clone();
+    assert!(
+        note.contains("deleting 3 of its 5") && note.contains("kubectl annotate membercluster c2"),
+        "{note}"
+    );
 }
