@@ -44,7 +44,7 @@ pub enum AuthError {
 
 /// Which of a MemberCluster's tokens a hash is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Held {
+pub enum Token {
     Current,
     /// The renewed token the hub sent and the agent has not yet proven it holds.
     Next,
@@ -62,12 +62,12 @@ pub enum NotAccepted {
 /// Whether `spec` accepts the token of hash `hash` at `now`: the current token until it
 /// expires (none set: never), the next one until it expires, and only while a current one
 /// is set (clearing `tokenSha256` revokes both).
-pub fn accepts(spec: &MemberClusterSpec, hash: &str, now: Timestamp) -> Result<Held, NotAccepted> {
+pub fn accepts(spec: &MemberClusterSpec, hash: &str, now: Timestamp) -> Result<Token, NotAccepted> {
     let current = spec.token_sha256.as_deref().ok_or(NotAccepted::Unknown)?;
     let (held, expires) = if current == hash {
-        (Held::Current, &spec.token_expires_at)
+        (Token::Current, &spec.token_expires_at)
     } else if spec.next_token_sha256.as_deref() == Some(hash) {
-        (Held::Next, &spec.next_token_expires_at)
+        (Token::Next, &spec.next_token_expires_at)
     } else {
         return Err(NotAccepted::Unknown);
     };
@@ -109,8 +109,8 @@ pub fn renewal(
 ) -> Renewal {
     match accepts(spec, hash, now) {
         Err(why) => Renewal::End(why),
-        Ok(Held::Next) => Renewal::Promote,
-        Ok(Held::Current) => {
+        Ok(Token::Next) => Renewal::Promote,
+        Ok(Token::Current) => {
             let Some(at) = &spec.token_expires_at else {
                 return Renewal::Renew;
             };
@@ -269,7 +269,7 @@ mod tests {
     #[test]
     fn a_token_is_accepted_until_the_second_it_expires() {
         let s = spec(Some("h1"), Some(100), None);
-        assert_eq!(accepts(&s, "h1", at(99)), Ok(Held::Current));
+        assert_eq!(accepts(&s, "h1", at(99)), Ok(Token::Current));
         assert_eq!(
             accepts(&s, "h1", at(100)),
             Err(NotAccepted::Expired(at(100)))
@@ -282,19 +282,19 @@ mod tests {
         assert_eq!(accepts(&s, "", at(0)), Err(NotAccepted::Unknown));
         // Issued before expiry existed: never expires (the hub renews it at once).
         let s = spec(Some("h1"), None, None);
-        assert_eq!(accepts(&s, "h1", Timestamp::MAX), Ok(Held::Current));
+        assert_eq!(accepts(&s, "h1", Timestamp::MAX), Ok(Token::Current));
     }
 
     #[test]
     fn during_a_renewal_both_tokens_are_accepted_each_until_its_own_expiry() {
         let s = spec(Some("h1"), Some(100), Some(("h2", 200)));
-        assert_eq!(accepts(&s, "h1", at(50)), Ok(Held::Current));
-        assert_eq!(accepts(&s, "h2", at(50)), Ok(Held::Next));
+        assert_eq!(accepts(&s, "h1", at(50)), Ok(Token::Current));
+        assert_eq!(accepts(&s, "h2", at(50)), Ok(Token::Next));
         assert_eq!(
             accepts(&s, "h1", at(150)),
             Err(NotAccepted::Expired(at(100)))
         );
-        assert_eq!(accepts(&s, "h2", at(150)), Ok(Held::Next));
+        assert_eq!(accepts(&s, "h2", at(150)), Ok(Token::Next));
         assert_eq!(
             accepts(&s, "h2", at(200)),
             Err(NotAccepted::Expired(at(200)))
