@@ -1,10 +1,13 @@
-//! Compiles `proto/federation.proto` with protox (pure Rust), so no system `protoc` is
-//! needed.
+//! Compiles `proto/federation.proto` (the hub-agent protocol) and
+//! `proto/externalscaler.proto` (KEDA's, which the agent serves) with protox (pure Rust),
+//! so no system `protoc` is needed.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto = "proto/federation.proto";
-    println!("cargo:rerun-if-changed={proto}");
-    let descriptors = protox::compile([proto], ["proto"])?;
+    let protos = ["proto/federation.proto", "proto/externalscaler.proto"];
+    for proto in protos {
+        println!("cargo:rerun-if-changed={proto}");
+    }
+    let descriptors = protox::compile(protos, ["proto"])?;
     // The manifest is rendered once and shared by every push: Bytes, not Vec<u8>.
     tonic_prost_build::configure()
         .bytes(".flotilla.federation.v1.Apply.manifest")

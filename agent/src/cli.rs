@@ -180,6 +180,11 @@ pub struct OperatorArgs {
     /// Names this instance in Events (the pod name in a cluster).
     #[arg(long, env = "POD_NAME")]
     pub instance: Option<String>,
+    /// Serve KEDA's external scaler here (the member install: 0.0.0.0:9090), so that a
+    /// ScaledObject's `external` trigger scales a MyApp by a metric its pods export.
+    /// Not served without it.
+    #[arg(long)]
+    pub scaler_addr: Option<SocketAddr>,
     #[command(flatten)]
     pub webhook: WebhookArgs,
     /// With `--leader-elect`, one agent per member cluster is active: the others serve

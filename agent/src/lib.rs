@@ -24,6 +24,7 @@ pub mod queue;
 pub mod replicas;
 pub mod report;
 pub mod run;
+pub mod scaler;
 pub mod session;
 pub mod sync;
 pub mod tenancy;

@@ -42,6 +42,7 @@ use crate::capacity;
 use crate::cli::OperatorArgs;
 use crate::handback;
 use crate::operator;
+use crate::scaler;
 use crate::session::{self, SessionConfig};
 use crate::webhook::run_webhook;
 
@@ -93,6 +94,18 @@ pub async fn serve(
         webhook.await.context("conversion webhook")
     });
     let config = args.operator_config();
+    if let Some(addr) = args.scaler_addr {
+        // On every replica, leading or not: it only reads.
+        let scope = scaler::Scope {
+            operator: config.namespaces.clone(),
+            tenancy: session.as_ref().map(|s| s.guard.policy().clone()),
+        };
+        let scaler = scaler::Scaler::new(client.clone(), scope);
+        tasks.spawn(
+            "external-scaler",
+            scaler::serve(addr, scaler, shutdown.clone()),
+        );
+    }
     let act = move |stop: CancellationToken| {
         let (autoscalers, autoscalers_watch) = autoscale::watch(client.clone());
         let hub = hub_session(

@@ -44,6 +44,10 @@ impl Guard {
         );
     }
 
+    pub fn policy(&self) -> &NamespacePolicy {
+        &self.policy
+    }
+
     /// The forbidden namespaces, in name order.
     pub fn forbidden(&self) -> impl Iterator<Item = &str> {
         self.policy.namespaces().map(|(namespace, _)| namespace)

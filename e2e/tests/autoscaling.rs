@@ -391,3 +391,159 @@ async fn scale_answers_at_every_version_and_a_hand_made_scale_is_undone() -> Res
     log.assert_clean(&BTreeSet::new())?;
     ctx.delete().await
 }
+
+/// The seed's KEDA external scaler (issue 22 item 3), asked as KEDA asks it: the lab's
+/// agent of cluster1 serves `externalscaler.ExternalScaler` (`--scaler-addr`), and reads
+/// the MyApp's Ready pods, found through the member's apiserver by the Deployment's
+/// selector labels, at their pod IPs. The pods here are objects held unscheduled (a
+/// scheduling gate) whose status says Ready at 127.0.0.x, where this test serves each
+/// one's Prometheus text; no federation state is touched.
+#[tokio::test]
+async fn the_seed_s_external_scaler_reads_the_myapp_s_pods() -> Result<()> {
+    use flotilla_proto::externalscaler::external_scaler_client::ExternalScalerClient;
+    use flotilla_proto::externalscaler::{GetMetricsRequest, ScaledObjectRef};
+    use k8s_openapi::api::core::v1::Pod;
+
+    const APP: &str = "scaler-e2e";
+    const METRIC: &str = "custom_metric_queue_length";
+    let env = Env::load_ready().await?;
+    let member = env.members()[0].to_string();
+    let f = flotilla_lab::federation::Federation::load(&env)?;
+    let addr = (f.launch(&flotilla_lab::federation::agent_name(&member))?)
+        .arg("scaler-addr")
+        .context("the lab's agent serves no external scaler")?
+        .to_owned();
+    let mut scaler = ExternalScalerClient::connect(format!("http://{addr}")).await?;
+
+    // Two pods serving their queue lengths, and a third whose address answers nothing.
+    let port = flotilla_lab::support::free_port()?;
+    let (first, second) = (
+        Exporter::start("127.0.0.1", port, 120).await?,
+        Exporter::start("127.0.0.2", port, 90).await?,
+    );
+    let pods: Api<Pod> = Api::namespaced(env.client(&member).await?, NS);
+    let names = ["scaler-e2e-0", "scaler-e2e-1", "scaler-e2e-2"];
+    for (name, ip) in names.iter().zip(["127.0.0.1", "127.0.0.2", "127.0.0.3"]) {
+        let _ = pods
+            .delete(name, &DeleteParams::default().grace_period(0))
+            .await;
+        wait_for(TIMEOUT, "an old pod gone", || async {
+            Ok(pods.get_opt(name).await?.is_none().then_some(()))
+        })
+        .await?;
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "myapp", "app.kubernetes.io/instance": APP}},
+            "spec": {"schedulingGates": [{"name": "flotilla.io/e2e-held"}],
+                     "containers": [{"name": "app", "image": "registry.example/app:1"}]},
+        }))?;
+        pods.create(&PostParams::default(), &pod).await?;
+        let status = json!({"status": {"podIP": ip, "podIPs": [{"ip": ip}],
+            "conditions": [{"type": "Ready", "status": "True"}]}});
+        pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await?;
+    }
+    let seed = |extra: &[(&str, &str)]| {
+        let mut meta: std::collections::HashMap<String, String> = [
+            ("scalerAddress", addr.as_str()),
+            ("metricName", METRIC),
+            ("threshold", "100"),
+            ("myApp", APP),
+        ]
+        .iter()
+        .chain(extra)
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        meta.insert("metricsPort".into(), port.to_string());
+        ScaledObjectRef {
+            name: "my-app-scaler".into(),
+            namespace: NS.into(),
+            scaler_metadata: meta,
+        }
+    };
+    let outcome = async {
+        let spec = scaler.get_metric_spec(seed(&[])).await?.into_inner().metric_specs;
+        ensure!(spec.len() == 1 && spec[0].metric_name == METRIC && spec[0].target_size_float == 100.0, "{spec:?}");
+        let metrics = |so: ScaledObjectRef| GetMetricsRequest { scaled_object_ref: Some(so), metric_name: format!("s0-{METRIC}") };
+        let value = scaler.get_metrics(metrics(seed(&[]))).await?.into_inner().metric_values;
+        ensure!(value.len() == 1 && value[0].metric_value_float == 210.0 && value[0].metric_name == format!("s0-{METRIC}"), "sum: {value:?}");
+        let value = scaler.get_metrics(metrics(seed(&[("aggregation", "max")]))).await?.into_inner().metric_values;
+        ensure!(value[0].metric_value_float == 120.0, "max: {value:?}");
+        ensure!(scaler.is_active(seed(&[])).await?.into_inner().result, "active at 210");
+        let mut stream = scaler.stream_is_active(seed(&[])).await?.into_inner();
+        ensure!(stream.message().await?.is_some_and(|m| m.result), "the stream starts active");
+        println!("external scaler: 2 of 3 Ready pods answered: sum 210, max 120, active");
+
+        // The queues drain: inactive, and the stream says so once.
+        first.set(0);
+        second.set(0);
+        let inactive = tokio::time::timeout(Duration::from_secs(30), stream.message()).await??;
+        ensure!(inactive.is_some_and(|m| !m.result), "the stream turns inactive: {inactive:?}");
+        ensure!(!scaler.is_active(seed(&[])).await?.into_inner().result, "inactive at 0");
+        // A pod that stops being Ready is left out.
+        second.set(50);
+        let unready = json!({"status": {"conditions": [{"type": "Ready", "status": "False"}]}});
+        pods.patch_status(names[1], &PatchParams::default(), &Patch::Merge(&unready)).await?;
+        let value = scaler.get_metrics(metrics(seed(&[]))).await?.into_inner().metric_values;
+        ensure!(value[0].metric_value_float == 0.0, "only the Ready pod counts: {value:?}");
+        // Nothing to read is an error, not a zero; bad metadata names its key.
+        let none = scaler.get_metrics(metrics(seed(&[("myApp", "no-such-app")]))).await.unwrap_err();
+        ensure!(none.code() == tonic::Code::Unavailable && none.message().contains("no-such-app"), "{none:?}");
+        let bad = scaler.get_metric_spec(seed(&[("threshold", "0")])).await.unwrap_err();
+        ensure!(bad.code() == tonic::Code::InvalidArgument && bad.message().contains("threshold"), "{bad:?}");
+        println!("external scaler: drained -> inactive (streamed); an unready pod left out; no pods -> Unavailable");
+        Ok(())
+    }
+    .await;
+    for name in names {
+        let _ = pods
+            .delete(name, &DeleteParams::default().grace_period(0))
+            .await;
+    }
+    outcome
+}
+
+/// A pod's metrics endpoint: `custom_metric_queue_length` at a value the test sets.
+struct Exporter {
+    value: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Exporter {
+    async fn start(ip: &str, port: u16, value: u64) -> Result<Exporter> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind((ip, port)).await?;
+        let shared = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(value));
+        let served = shared.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let value = served.load(std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut request = [0u8; 4096];
+                    let _ = socket.read(&mut request).await;
+                    let body = format!(
+                        "# TYPE custom_metric_queue_length gauge\ncustom_metric_queue_length{{queue=\"jobs\"}} {value}\nother_metric 1\n"
+                    );
+                    let response = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = socket.write_all(response.as_bytes()).await;
+                });
+            }
+        });
+        Ok(Exporter {
+            value: shared,
+            task,
+        })
+    }
+
+    fn set(&self, value: u64) {
+        self.value.store(value, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Exporter {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

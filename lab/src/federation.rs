@@ -429,7 +429,7 @@ pub async fn up(env: &Env) -> Result<Federation> {
             &[("name", member), (REGION, region_of(member))],
             &token,
         )?;
-        let (http, webhook) = (free_addr()?, free_addr()?);
+        let (http, webhook, scaler) = (free_addr()?, free_addr()?, free_addr()?);
         components.insert(
             agent_name(member),
             Launch {
@@ -444,6 +444,7 @@ pub async fn up(env: &Env) -> Result<Federation> {
                     format!("--http-addr={http}"),
                     format!("--webhook-addr={webhook}"),
                     format!("--webhook-url=https://{webhook}/convert"),
+                    format!("--scaler-addr={scaler}"),
                     // The webhook's CA, shared with a second agent of the member, beside the Lease.
                     "--webhook-ca-secret=default/flotilla-agent-webhook-ca".into(),
                     format!("--heartbeat={}s", HEARTBEAT.as_secs()),

@@ -1,5 +1,6 @@
 //! The hub–agent wire protocol, `flotilla.federation.v1` (see `proto/federation.proto`),
-//! the object key both sides index by, and the one way an agent dials the hub.
+//! the object key both sides index by, and the one way an agent dials the hub; and KEDA's
+//! external scaler interface (`proto/externalscaler.proto`), which the agent serves.
 
 pub mod client;
 mod key;
@@ -10,6 +11,11 @@ pub use key::WireKey;
 #[allow(clippy::all)]
 pub mod v1 {
     tonic::include_proto!("flotilla.federation.v1");
+}
+
+#[allow(clippy::all)]
+pub mod externalscaler {
+    tonic::include_proto!("externalscaler");
 }
 
 /// Redacted: the token never reaches a log line through a `{:?}` of a message.
