@@ -192,11 +192,12 @@ pub async fn start_twin(
 ) -> Result<(ProcessRecord, Launch)> {
     let name = agent_name(cluster);
     let twin = format!("{name}-twin");
-    let (http, webhook) = (free_addr()?, free_addr()?);
+    let (http, webhook, scaler) = (free_addr()?, free_addr()?, free_addr()?);
     let (p, launch) = f.start_variant(env, &name, &twin, |l| {
         l.http = http.clone();
         l.set_arg("http-addr", Some(&http));
         l.set_arg("webhook-addr", Some(&webhook));
+        l.set_arg("scaler-addr", Some(&scaler));
         l.set_arg("webhook-url", None);
     })?;
     if let Err(e) = flotilla_lab::federation::wait_http_ok(&twin, &launch.http, "/healthz").await {

@@ -239,7 +239,8 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
             &ca_file,
             &data.get("ca.crt").context("the Secret has no ca.crt")?.0,
         )?;
-        let (http, webhook) = (
+        let (http, webhook, scaler) = (
+            flotilla_lab::support::free_addr()?,
             flotilla_lab::support::free_addr()?,
             flotilla_lab::support::free_addr()?,
         );
@@ -253,6 +254,7 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
                 Some(("--hub-ca-file", _)) => format!("--hub-ca-file={}", ca_file.display()),
                 Some(("--http-addr", _)) => format!("--http-addr={http}"),
                 Some(("--webhook-addr", _)) => format!("--webhook-addr={webhook}"),
+                Some(("--scaler-addr", _)) => format!("--scaler-addr={scaler}"),
                 _ => a,
             })
             .collect();

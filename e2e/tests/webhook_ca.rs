@@ -154,11 +154,12 @@ async fn the_agents_of_a_member_convert_with_one_ca() -> Result<()> {
 
     let result = async {
         // A second agent behind the same endpoint: its own listener, the first one's URL.
-        let (http, webhook) = (free_addr()?, free_addr()?);
+        let (http, webhook, scaler) = (free_addr()?, free_addr()?, free_addr()?);
         let start = || {
             f.start_variant(&env, &agent, STANDBY, |l| {
                 l.set_arg("http-addr", Some(&http));
                 l.set_arg("webhook-addr", Some(&webhook));
+                l.set_arg("scaler-addr", Some(&scaler));
             })
         };
         let (standby, _) = start()?;
