@@ -1,5 +1,6 @@
 //! Flotilla's API types and their CustomResourceDefinitions.
 
+pub mod bounds;
 pub mod condition;
 pub mod federated;
 pub mod grant;
