@@ -13,6 +13,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
+use std::sync::Arc;
 
 use flotilla_common::listed::{self, Listed};
 use futures::StreamExt;
@@ -91,6 +92,12 @@ impl Autoscalers {
     /// misconfiguration the HPA controller refuses too), the first by name.
     pub fn of(&self, key: &Key) -> Option<Autoscaler> {
         first(self.store.state().iter().map(|hpa| &**hpa), key)
+    }
+
+    /// The HorizontalPodAutoscaler [`Autoscalers::of`] names, as the cache shows it.
+    pub fn hpa_of(&self, key: &Key) -> Option<Arc<HorizontalPodAutoscaler>> {
+        let autoscaler = self.of(key)?;
+        (self.store).get(&ObjectRef::new(&autoscaler.name).within(&key.namespace))
     }
 
     /// The autoscaler of the MyApp at `key`, listed from the apiserver: asked before

@@ -5,13 +5,15 @@
 //! `report` sends their status back; `cache` holds the MyApps the agent reads.
 //! `autoscale` knows which MyApps an autoscaler scales (or their Deployments),
 //! `replicas` hands such replicas over to it without a reset, and `handback` gives them
-//! back to the federation when it goes. Beside them, `capacity` measures the cluster's
+//! back to the federation when it goes; `bounds` gives the autoscaler the minimum and
+//! maximum the hub assigns the cluster. Beside them, `capacity` measures the cluster's
 //! room for pods for the hub's scheduling, `operator` turns each MyApp into a running
 //! Deployment, and `webhook` converts between MyApp versions for the apiserver. Health,
 //! metrics, logs, shutdown, supervision and leader election come from `flotilla-common`,
 //! shared with the hub; `run` wires them together and `cli` reads the command line.
 
 pub mod autoscale;
+pub mod bounds;
 pub mod cache;
 pub mod capacity;
 pub mod cli;

@@ -5,7 +5,7 @@
 //! - `webhook`: the MyApp conversion webhook, served by every replica (standbys too);
 //! - `leader-election`: the campaign for the agent Lease;
 //! - `acting`: what only the Lease holder does: the MyApp operator and, for `run`, the
-//!   hub session. It starts each time this agent gains the Lease and stops each time it
+//!   hub session (with the hand-back and the autoscalers' bounds). It starts each time this agent gains the Lease and stops each time it
 //!   loses it.
 //!
 //! On a lost Lease (renewals failed for the renew deadline) both the session and the
@@ -37,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::autoscale::{self, Autoscalers};
+use crate::bounds;
 use crate::cache;
 use crate::capacity;
 use crate::cli::OperatorArgs;
@@ -64,8 +65,10 @@ pub async fn serve(
     let (leading, campaign) =
         leader::elect(kube_config, &args.leader, leader::AGENT, shutdown.clone())?;
     let mut metrics = Metrics::default();
+    let bounds_written = bounds::Written::default();
     if let Some(session) = &session {
         session.guard.register(metrics.registry_mut());
+        bounds_written.register(metrics.registry_mut());
         let forbidden: Vec<&str> = session.guard.forbidden().collect();
         info!(?forbidden, "MyApps in these namespaces are refused");
     }
@@ -94,13 +97,15 @@ pub async fn serve(
         webhook.await.context("conversion webhook")
     });
     let config = args.operator_config();
+    // The namespaces the agent applies into: the only ones the scaler reads and the
+    // bounds are written in.
+    let scope = scaler::Scope {
+        operator: config.namespaces.clone(),
+        tenancy: session.as_ref().map(|s| s.guard.policy().clone()),
+    };
     if let Some(addr) = args.scaler_addr {
         // On every replica, leading or not: it only reads.
-        let scope = scaler::Scope {
-            operator: config.namespaces.clone(),
-            tenancy: session.as_ref().map(|s| s.guard.policy().clone()),
-        };
-        let scaler = scaler::Scaler::new(client.clone(), scope);
+        let scaler = scaler::Scaler::new(client.clone(), scope.clone());
         tasks.spawn(
             "external-scaler",
             scaler::serve(addr, scaler, shutdown.clone()),
@@ -112,6 +117,8 @@ pub async fn serve(
             client.clone(),
             session.clone(),
             autoscalers.clone(),
+            scope.clone(),
+            bounds_written.clone(),
             stop.clone(),
         );
         let operator = operator::run_operator(
@@ -197,11 +204,14 @@ where
     });
 }
 
-/// The session with the hub, with the watches it reads, until `stop`.
+/// The session with the hub, with the watches it reads and the tasks that act on the
+/// MyApps it manages (hand-back, bounds), until `stop`.
 async fn hub_session(
     client: kube::Client,
     session: Option<SessionConfig>,
     autoscalers: Autoscalers,
+    scope: scaler::Scope,
+    bounds_written: bounds::Written,
     stop: CancellationToken,
 ) {
     let Some(session) = session else { return };
@@ -221,11 +231,19 @@ async fn hub_session(
         managed.clone(),
         autoscalers.clone(),
     ));
+    let bounds = Box::pin(bounds::run(
+        client.clone(),
+        managed.clone(),
+        autoscalers.clone(),
+        scope,
+        bounds_written,
+    ));
     tokio::select! {
         _ = Box::pin(session::run(client, session, managed, capacity, autoscalers, stop)) => {}
         _ = watch => {}
         _ = capacity_watch => {}
         _ = handback => {}
+        _ = bounds => {}
     }
 }
 

@@ -184,7 +184,7 @@ pub struct Scope {
 }
 
 impl Scope {
-    fn admits(&self, namespace: &str) -> Result<(), String> {
+    pub fn admits(&self, namespace: &str) -> Result<(), String> {
         if let Namespaces::Only(only) = &self.operator
             && !only.iter().any(|n| n == namespace)
         {
