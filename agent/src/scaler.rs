@@ -14,7 +14,12 @@
 //! - `metricsPort` (default 8080) and `metricsPath` (default `/metrics`): where each pod
 //!   serves its metrics;
 //! - `aggregation` (default `sum`): how the pods' readings combine: `sum` (each pod
-//!   reports its own backlog), `max` or `average` (each reports the same shared queue).
+//!   reports its own backlog), `max` or `average` (each reports the same shared queue);
+//! - `metricScope` (default `cluster`): `federation` when the metric is global (one queue
+//!   every cluster's pods read): the value answered is then this cluster's share of it,
+//!   the MyApp's `flotilla.io/autoscaling-metric-share` (see [`flotilla_crds::bounds`]),
+//!   so that the clusters together scale once. A MyApp without it is read whole (warned
+//!   once).
 //!
 //! A reading lists the MyApp's Ready pods (by the Deployment's selector labels) and GETs
 //! each one's metrics (2 s each, 1 MiB at most); pods that do not answer, or export no
@@ -23,12 +28,15 @@
 //! agent would apply are read: a namespace the tenancy policy forbids, or outside the
 //! operator's `--namespace`, is refused.
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use bytes::Bytes;
+use flotilla_crds::MyApp;
+use flotilla_crds::bounds::{Bounds, SHARE_ANNOTATION};
 use flotilla_crds::tenancy::NamespacePolicy;
 use flotilla_proto::externalscaler::external_scaler_server::{
     ExternalScaler, ExternalScalerServer,
@@ -43,7 +51,9 @@ use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
 use kube::api::{Api, ListParams};
+use parking_lot::Mutex;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
@@ -80,6 +90,25 @@ impl Aggregation {
     }
 }
 
+/// Whose the metric is: this cluster's, or the federation's (this cluster answers its
+/// share).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricScope {
+    Cluster,
+    Federation,
+}
+
+impl MetricScope {
+    /// The value this cluster answers for `reading`: under `Federation` its share of
+    /// it, whole when the MyApp carries no `bounds`.
+    pub fn value(self, reading: f64, bounds: Option<&Bounds>) -> f64 {
+        match (self, bounds) {
+            (MetricScope::Federation, Some(bounds)) => bounds.share_of(reading),
+            _ => reading,
+        }
+    }
+}
+
 /// A ScaledObject trigger's metadata, read.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Trigger {
@@ -90,6 +119,7 @@ pub struct Trigger {
     pub port: u16,
     pub path: String,
     pub aggregation: Aggregation,
+    pub scope: MetricScope,
 }
 
 impl Trigger {
@@ -144,6 +174,16 @@ impl Trigger {
                 ));
             }
         };
+        let scope = match meta.get("metricScope").map(|s| s.trim()) {
+            None | Some("cluster") => MetricScope::Cluster,
+            Some("federation") => MetricScope::Federation,
+            Some(other) => {
+                return Err(format!(
+                    "{} {other:?}: one of cluster, federation",
+                    at("metricScope")
+                ));
+            }
+        };
         Ok(Trigger {
             myapp: required("myApp")?,
             metric: required("metricName")?,
@@ -152,6 +192,7 @@ impl Trigger {
             port,
             path: path.to_owned(),
             aggregation,
+            scope,
         })
     }
 }
@@ -205,6 +246,8 @@ pub struct Scaler {
     client: kube::Client,
     scope: Arc<Scope>,
     http: HttpClient<HttpConnector, Empty<Bytes>>,
+    /// MyApps read whole under `metricScope: federation` (no share), already warned of.
+    read_whole: Arc<Mutex<HashSet<String>>>,
 }
 
 impl Scaler {
@@ -215,6 +258,7 @@ impl Scaler {
             client,
             scope: Arc::new(scope),
             http: HttpClient::builder(TokioExecutor::new()).build(connector),
+            read_whole: Arc::default(),
         }
     }
 
@@ -225,6 +269,34 @@ impl Scaler {
             Status::permission_denied(format!("ScaledObject {}/{}: {why}", so.namespace, so.name))
         })?;
         Ok(trigger)
+    }
+
+    /// The value KEDA gets now: the MyApp's, or under `metricScope: federation` this
+    /// cluster's share of it.
+    pub async fn value(&self, namespace: &str, t: &Trigger) -> Result<f64, Status> {
+        let bounds = match t.scope {
+            MetricScope::Cluster => None,
+            MetricScope::Federation => self.share(namespace, &t.myapp).await?,
+        };
+        Ok(t.scope
+            .value(self.measure(namespace, t).await?, bounds.as_ref()))
+    }
+
+    /// The bounds (with the metric share) on the MyApp `name`; none is warned of once.
+    async fn share(&self, namespace: &str, name: &str) -> Result<Option<Bounds>, Status> {
+        let app = Api::<MyApp>::namespaced(self.client.clone(), namespace)
+            .get(name)
+            .await
+            .map_err(|e| Status::unavailable(format!("reading MyApp {namespace}/{name}: {e}")))?;
+        let bounds = Bounds::of(app.annotations())
+            .map_err(|e| Status::failed_precondition(format!("MyApp {namespace}/{name}: {e}")))?;
+        let myapp = format!("{namespace}/{name}");
+        if bounds.is_some() {
+            self.read_whole.lock().remove(&myapp);
+        } else if self.read_whole.lock().insert(myapp.clone()) {
+            warn!(%myapp, "metricScope federation, but the MyApp carries no {SHARE_ANNOTATION}: its metric is read whole");
+        }
+        Ok(bounds)
     }
 
     /// The MyApp's value now: its Ready pods' readings, combined.
@@ -320,7 +392,7 @@ impl ExternalScaler for Scaler {
     ) -> Result<Response<IsActiveResponse>, Status> {
         let so = request.into_inner();
         let t = self.trigger(&so)?;
-        let value = self.measure(&so.namespace, &t).await?;
+        let value = self.value(&so.namespace, &t).await?;
         Ok(Response::new(IsActiveResponse {
             result: value > t.activation,
         }))
@@ -340,7 +412,7 @@ impl ExternalScaler for Scaler {
             let mut last = None;
             loop {
                 // A failed reading says nothing: KEDA keeps what it was last told.
-                if let Ok(value) = scaler.measure(&so.namespace, &t).await {
+                if let Ok(value) = scaler.value(&so.namespace, &t).await {
                     let active = value > t.activation;
                     if last != Some(active) {
                         last = Some(active);
@@ -391,7 +463,7 @@ impl ExternalScaler for Scaler {
                 so.namespace, so.name, request.metric_name, t.metric
             )));
         }
-        let value = self.measure(&so.namespace, &t).await?;
+        let value = self.value(&so.namespace, &t).await?;
         let name = if request.metric_name.is_empty() {
             t.metric
         } else {
@@ -478,6 +550,7 @@ mod tests {
                 port: 8080,
                 path: "/metrics".into(),
                 aggregation: Aggregation::Sum,
+                scope: MetricScope::Cluster,
             }
         );
     }
@@ -512,6 +585,7 @@ mod tests {
             ("metricsPath", "metrics"),
             ("metricsPath", "/a b"),
             ("aggregation", "median"),
+            ("metricScope", "global"),
             ("myApp", "  "),
         ] {
             let e = with(key, value).unwrap_err();
@@ -521,6 +595,22 @@ mod tests {
         assert_eq!(t.aggregation, Aggregation::Average);
         assert_eq!(with("threshold", "2.5").unwrap().threshold, 2.5);
         assert_eq!(with("metricsPort", "9100").unwrap().port, 9100);
+        let scope = |value| with("metricScope", value).unwrap().scope;
+        assert_eq!(scope("federation"), MetricScope::Federation);
+        assert_eq!(scope("cluster"), MetricScope::Cluster);
+    }
+
+    #[test]
+    fn a_federation_s_metric_is_answered_in_this_cluster_s_share() {
+        let bounds = Bounds {
+            min: 2,
+            max: 5,
+            parts: 5,
+            whole: 16,
+        };
+        assert_eq!(MetricScope::Federation.value(160.0, Some(&bounds)), 50.0);
+        assert_eq!(MetricScope::Federation.value(160.0, None), 160.0, "whole");
+        assert_eq!(MetricScope::Cluster.value(160.0, Some(&bounds)), 160.0);
     }
 
     #[test]
