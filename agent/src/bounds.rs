@@ -10,10 +10,11 @@
 //! differ; nothing else of the autoscaler is touched, and a MyApp without one is only
 //! logged: the member brings its HPA or ScaledObject.
 //!
-//! Looked at once every MyApp and autoscaler has been listed, then whenever a MyApp or
-//! an autoscaler changes, and every [`RESYNC`] (a ScaledObject is not watched: an edit of
-//! one shows as KEDA's change of its HPA, or at the resync). A failed write is tried
-//! again after [`RETRY`]. Namespaces the agent would not apply into are never written.
+//! Looked at once every MyApp and autoscaler has been listed, then whenever a MyApp's
+//! bounds or an HPA's spec change, and every [`RESYNC`] (a ScaledObject is not watched:
+//! an edit of one shows as KEDA's change of its HPA, or at the resync). A failed write is
+//! tried again after [`RETRY`]. Namespaces the agent would not apply into are never
+//! written.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -160,8 +161,25 @@ enum Said {
     Malformed(String),
     OutOfScope,
     NoAutoscaler,
-    /// Found on this holder, or written there.
-    Set(Holder, Bounds),
+    /// Found on this holder, or written there, while the HPA's spec was at this version.
+    Set(Holder, Bounds, SpecVersion),
+}
+
+/// Which spec of which HPA: a change of the spec (KEDA's too, when its ScaledObject
+/// changed) is looked at, the HPA controller's status updates are not.
+#[derive(Debug, Clone, PartialEq)]
+struct SpecVersion {
+    uid: Option<String>,
+    generation: Option<i64>,
+}
+
+impl SpecVersion {
+    fn of(hpa: &HorizontalPodAutoscaler) -> Self {
+        Self {
+            uid: hpa.metadata.uid.clone(),
+            generation: hpa.metadata.generation,
+        }
+    }
 }
 
 /// Sets bounds on the member's autoscalers until the feeds end (the agent stops acting).
@@ -196,11 +214,9 @@ pub async fn run(
                 retries.insert(key, RETRY);
             }
         }
-        // A MyApp's own change matters only if its bounds did; an autoscaler's change
-        // and the resync look again at what is in place.
         let next = tokio::select! {
             change = apps.recv() => change,
-            change = scaled.recv() => change.inspect(|key| forget_set(&mut said, key)),
+            change = scaled.recv() => change,
             Some(retry) = retries.next() => Ok(retry.into_inner()),
             // As after a lagged feed: everything is looked at again.
             _ = resync.tick() => Err(RecvError::Lagged(0)),
@@ -208,17 +224,12 @@ pub async fn run(
         match next {
             Ok(key) => due.push(key),
             Err(RecvError::Lagged(_)) => {
+                // What is in place is read again.
                 said.retain(|_, s| !matches!(s, Said::Set(..)));
                 due = every(&bounder.store);
             }
             Err(RecvError::Closed) => return,
         }
-    }
-}
-
-fn forget_set(said: &mut HashMap<Key, Said>, key: &Key) {
-    if matches!(said.get(key), Some(Said::Set(..))) {
-        said.remove(key);
     }
 }
 
@@ -273,7 +284,7 @@ impl Bounder {
             return Ok(());
         };
         let holder = Holder::of(&hpa);
-        let set = Said::Set(holder.clone(), bounds);
+        let set = Said::Set(holder.clone(), bounds, SpecVersion::of(&hpa));
         if said.get(key) == Some(&set) {
             return Ok(());
         }
