@@ -319,6 +319,8 @@ impl Bounder {
         }
     }
 
+    /// Applies `patch`. Were the holder deleted just before, the apply would create it:
+    /// both schemas require `scaleTargetRef`, so the apiserver refuses that.
     async fn apply(&self, holder: &Holder, namespace: &str, patch: Value) -> anyhow::Result<()> {
         let params = PatchParams::apply(FIELD_MANAGER).force();
         let patch = Patch::Apply(&patch);
