@@ -56,6 +56,27 @@ pub struct FederatedMyAppSpec {
     /// Absent: all at once (type All).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout: Option<Rollout>,
+    /// Federation-wide bounds for the autoscalers that scale the MyApp in each member
+    /// (a HorizontalPodAutoscaler, or a KEDA ScaledObject, that targets the MyApp or its
+    /// Deployment). Needs a divided mode (Weighted or Capacity): the maximum is divided
+    /// as the replicas would be, the minimum within each cluster's maximum, and the agent
+    /// writes each cluster's share into its autoscaler's bounds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<Autoscaling>,
+}
+
+/// What the clusters' autoscalers may run together.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Autoscaling {
+    /// The fewest replicas across clusters. Every cluster that runs the MyApp runs at
+    /// least one, so the floor is at least the number of such clusters.
+    #[schemars(range(min = 1))]
+    pub min_replicas: i32,
+    /// The most replicas across clusters, divided by `spec.placement.replicaScheduling`
+    /// in place of `totalReplicas`.
+    #[schemars(range(min = 1))]
+    pub max_replicas: i32,
 }
 
 /// How a new revision (a change of what a cluster's MyApp runs, its replica count
@@ -591,9 +612,13 @@ pub struct ClusterStatus {
     pub name: String,
     #[serde(default)]
     pub ready: bool,
-    /// Replicas this cluster is assigned (0: it gets no MyApp).
+    /// Replicas this cluster is assigned (0: it gets no MyApp). Under `spec.autoscaling`:
+    /// the most its autoscaler may run (`maxReplicas`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<i32>,
+    /// Under `spec.autoscaling`: the fewest replicas its autoscaler may run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_replicas: Option<i32>,
     /// Why it is assigned that many.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scheduling_reason: Option<SchedulingReason>,

@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use flotilla_crds::FederatedMyApp;
+use flotilla_crds::bounds::Bounds;
 use flotilla_crds::federated::SchedulingReason;
 
 use crate::admission::{Admission, Refusal};
@@ -19,7 +20,7 @@ use crate::grants::{Granted, Grants, NothingGranted};
 use crate::index::Desired;
 use crate::overrides::{Located, Targets};
 use crate::placement::{self, Decision, Labels, Members, SelectorError};
-use crate::render::{RenderError, RenderedMyApp, Template};
+use crate::render::{RenderError, RenderedMyApp, Share, Template};
 use crate::schedule::{self, Assignment, Schedule, ScheduleError};
 
 /// What status says of a cluster named in `spec.placement.clusters` that is not
@@ -287,12 +288,12 @@ fn placed(
                 continue;
             }
         }
-        let replicas = schedule.divided.then_some(assigned.replicas);
+        let share = share_of(schedule.divided, &schedule.bounds, cluster, assigned);
         let labels = members.get(cluster).map(|m| &m.labels);
         let ops = targets.for_cluster(cluster, labels.unwrap_or(&NO_LABELS));
         let rendered = ops
             .map_err(RenderError::from)
-            .and_then(|ops| classes.render(&template, &ops, replicas));
+            .and_then(|ops| classes.render(&template, &ops, share));
         let planned = match rendered {
             Ok((rendered, asked)) => {
                 if !schedule.divided {
@@ -326,6 +327,22 @@ fn placed(
     }
 }
 
+/// What a placed cluster's MyApp is rendered with: under a divided mode its replicas,
+/// under autoscaling its minimum and its bounds.
+fn share_of(
+    divided: bool,
+    bounds: &BTreeMap<String, Bounds>,
+    cluster: &str,
+    assigned: &Assignment,
+) -> Share {
+    let bounds = bounds.get(cluster).copied();
+    let replicas = match bounds {
+        Some(b) => Some(b.min),
+        None => divided.then_some(assigned.replicas),
+    };
+    Share { replicas, bounds }
+}
+
 /// One app's renders by class of clusters: clusters with the same override operations
 /// (by content) and, under a division, the same assigned replicas render the same bytes,
 /// so each class is rendered once. A class whose render fails renders each of its
@@ -343,15 +360,15 @@ impl<'a> Classes<'a> {
         &mut self,
         template: &Template<'_>,
         ops: &[Located<'a>],
-        replicas: Option<u32>,
+        share: Share,
     ) -> Result<(Arc<RenderedMyApp>, u32), RenderError> {
-        let key = ClassKey::of(ops, replicas);
+        let key = ClassKey::of(ops, share);
         let known = match self.outcomes.get(&key) {
             Some(Some((rendered, asked))) => return Ok((rendered.clone(), *asked)),
             Some(None) => true,
             None => false,
         };
-        let result = template.render(ops, replicas).map(|r| {
+        let result = template.render(ops, share).map(|r| {
             let shared = self.by_hash.entry(r.myapp.hash.clone());
             (
                 shared.or_insert_with(|| Arc::new(r.myapp)).clone(),
@@ -366,18 +383,18 @@ impl<'a> Classes<'a> {
 }
 
 /// What a render depends on besides the template: the operations by content (not by
-/// where they are written, which only error messages name) and the assigned replicas.
+/// where they are written, which only error messages name) and the cluster's share.
 #[derive(PartialEq, Eq, Hash)]
 struct ClassKey<'a> {
     ops: Vec<(&'static str, &'a str, Option<String>)>,
-    replicas: Option<u32>,
+    share: Share,
 }
 
 impl<'a> ClassKey<'a> {
-    fn of(ops: &[Located<'a>], replicas: Option<u32>) -> Self {
+    fn of(ops: &[Located<'a>], share: Share) -> Self {
         Self {
             ops: ops.iter().map(Located::key).collect(),
-            replicas,
+            share,
         }
     }
 }
@@ -394,7 +411,7 @@ mod granted;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flotilla_crds::federated::ClusterOverrides;
+    use flotilla_crds::federated::{ClusterOverrides, ClusterStatus, FederatedMyAppStatus};
     use serde_json::{Value, json};
 
     use crate::placement::Member;
@@ -705,6 +722,60 @@ mod tests {
         let schedule = r.schedule.as_ref().unwrap();
         assert_eq!(schedule.clusters["c3"].replicas, 0);
         assert_eq!(schedule.total(), 12);
+    }
+
+    #[test]
+    fn autoscaling_renders_each_clusters_minimum_and_bounds() {
+        let mut a = weighted("  autoscaling: {minReplicas: 3, maxReplicas: 12}\n");
+        a.spec
+            .placement
+            .replica_scheduling
+            .as_mut()
+            .unwrap()
+            .total_replicas = None;
+        let r = render(&a, &members(&["c1", "c2", "c3"])).unwrap();
+        assert_eq!(replicas(&r), [("c1", json!(2)), ("c2", json!(1))].into());
+        let c1 = ok(&r, "c1");
+        let annotations = &c1["metadata"]["annotations"];
+        assert_eq!(annotations[flotilla_crds::bounds::MIN_ANNOTATION], "2");
+        assert_eq!(annotations[flotilla_crds::bounds::MAX_ANNOTATION], "8");
+        assert_eq!(annotations[flotilla_crds::bounds::SHARE_ANNOTATION], "8/12");
+        let schedule = r.schedule.as_ref().unwrap();
+        assert_eq!(
+            schedule.clusters["c1"].replicas, 8,
+            "status shows the maximum"
+        );
+        let mut status = FederatedMyAppStatus {
+            clusters: vec![ClusterStatus {
+                name: "c1".into(),
+                ..ClusterStatus::default()
+            }],
+            ..FederatedMyAppStatus::default()
+        };
+        crate::schedule::annotate(&mut status, schedule);
+        assert_eq!(
+            (status.clusters[0].min_replicas, status.clusters[0].replicas),
+            (Some(2), Some(8))
+        );
+    }
+
+    #[test]
+    fn bounds_alone_never_change_a_revision() {
+        let with = |max: i32| {
+            let mut a = weighted(&format!(
+                "  autoscaling: {{minReplicas: 3, maxReplicas: {max}}}\n  rollout: {{type: Progressive}}\n"
+            ));
+            a.spec
+                .placement
+                .replica_scheduling
+                .as_mut()
+                .unwrap()
+                .total_replicas = None;
+            let r = render(&a, &members(&["c1", "c2", "c3"])).unwrap();
+            let c1 = r.clusters["c1"].rendered().unwrap().hash.clone();
+            c1[..crate::render::REVISION_LEN].to_owned()
+        };
+        assert_eq!(with(12), with(15));
     }
 
     #[test]
@@ -1299,10 +1370,10 @@ mod tests {
                 }
                 let labels = &members[cluster].labels;
                 let ops = Targets::of(&app.spec.overrides).for_cluster(cluster, labels);
-                let replicas = schedule.divided.then_some(assigned.replicas);
+                let share = share_of(schedule.divided, &schedule.bounds, cluster, assigned);
                 let rendered = ops
                     .map_err(RenderError::from)
-                    .and_then(|ops| template.render(&ops, replicas));
+                    .and_then(|ops| template.render(&ops, share));
                 let planned = match rendered {
                     Ok(r) => {
                         let r = r.myapp;

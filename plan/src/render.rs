@@ -13,6 +13,7 @@ use std::sync::LazyLock;
 
 use bytes::Bytes;
 use flotilla_crds::FederatedMyApp;
+use flotilla_crds::bounds::{self, Bounds};
 use jsonptr::{Pointer, Token};
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
@@ -63,6 +64,16 @@ pub enum RenderError {
     },
 }
 
+/// What the schedule gives one cluster besides its overrides.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Share {
+    /// Under a divided mode: `spec.replicas` (under autoscaling, the cluster's minimum:
+    /// what it starts with until its autoscaler decides).
+    pub replicas: Option<u32>,
+    /// Under `spec.autoscaling`: its autoscaler's bounds, as annotations.
+    pub bounds: Option<Bounds>,
+}
+
 /// One app's template, ready to render for any cluster.
 pub struct Template<'a> {
     doc: Value,
@@ -83,15 +94,10 @@ impl<'a> Template<'a> {
         }
     }
 
-    /// The MyApp for one cluster: its operations `ops`, and under a divided mode the
-    /// `replicas` the schedule assigned it.
-    pub fn render(
-        &self,
-        ops: &[Located<'_>],
-        replicas: Option<u32>,
-    ) -> Result<Rendered, RenderError> {
+    /// The MyApp for one cluster: its operations `ops` and its [`Share`].
+    pub fn render(&self, ops: &[Located<'_>], share: Share) -> Result<Rendered, RenderError> {
         let who = (self.namespace, self.name);
-        render_one(&self.doc, ops, who, replicas, self.revisioned)
+        render_one(&self.doc, ops, who, share, self.revisioned)
     }
 }
 
@@ -120,9 +126,10 @@ fn render_one(
     base: &Value,
     ops: &[Located<'_>],
     (namespace, name): (&str, &str),
-    replicas: Option<u32>,
+    share: Share,
     revisioned: bool,
 ) -> Result<Rendered, RenderError> {
+    let replicas = share.replicas;
     let mut doc = base.clone();
     if let Some(n) = replicas {
         doc["spec"]["replicas"] = json!(n);
@@ -148,6 +155,9 @@ fn render_one(
         SOURCE_ANNOTATION.into(),
         format!("{namespace}/{name}").into(),
     );
+    for (key, value) in share.bounds.iter().flat_map(Bounds::annotations) {
+        annotations.insert(key.into(), value.into());
+    }
     let mut spec = match doc.get_mut("spec") {
         None | Some(Value::Null) => json!({}),
         Some(spec) => spec.take(),
@@ -183,14 +193,25 @@ pub const REVISION_LEN: usize = 16;
 
 /// A progressive app's content hash: `<revision>-<content>`, the revision being the
 /// first [`REVISION_LEN`] hex digits of the hash of the MyApp without `spec.replicas`
-/// and the content the first 47 of the full hash, 64 characters in all (what the wire
-/// bounds a hash to). The agent reports the hash it runs verbatim, so the hub reads from
-/// any report, after its own restart too, which revision a member runs, with no change
-/// to the wire or the agent; a replica count alone never changes the revision.
+/// (nor the autoscaling bounds) and the content the first 47 of the full hash, 64
+/// characters in all (what the wire bounds a hash to). The agent reports the hash it
+/// runs verbatim, so the hub reads from any report, after its own restart too, which
+/// revision a member runs, with no change to the wire or the agent; a replica count or
+/// bounds alone never change the revision.
 pub fn revisioned_hash(myapp: &Value) -> String {
     let mut without = myapp.clone();
     if let Some(spec) = without.get_mut("spec").and_then(Value::as_object_mut) {
         spec.remove("replicas");
+    }
+    let annotations = without.pointer_mut("/metadata/annotations");
+    if let Some(annotations) = annotations.and_then(Value::as_object_mut) {
+        for key in [
+            bounds::MIN_ANNOTATION,
+            bounds::MAX_ANNOTATION,
+            bounds::SHARE_ANNOTATION,
+        ] {
+            annotations.remove(key);
+        }
     }
     let revision = content_hash(&without);
     let content = content_hash(myapp);

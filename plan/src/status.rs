@@ -757,7 +757,7 @@ mod tests {
                 ("c3".into(), assign(3, SchedulingReason::FailedOver)),
             ]
             .into(),
-            recheck_after: None,
+            ..Schedule::default()
         });
         let s = run(
             &p,

@@ -62,7 +62,7 @@ pub(super) fn duplicate(
     Ok(Schedule {
         divided: false,
         clusters,
-        recheck_after: None,
+        ..Schedule::default()
     })
 }
 

@@ -27,8 +27,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use flotilla_crds::FederatedMyApp;
+use flotilla_crds::bounds::Bounds;
 use flotilla_crds::federated::{
-    ClusterStatus, DivisionGroup, FederatedMyAppStatus, Placement, SchedulingMode,
+    Autoscaling, ClusterStatus, DivisionGroup, FederatedMyAppStatus, Placement, SchedulingMode,
     SchedulingReason, encode_names,
 };
 use flotilla_crds::member::Resources;
@@ -37,6 +38,7 @@ use crate::placement::Members;
 
 pub mod apportion;
 mod assign;
+pub mod bounds;
 mod classify;
 mod spread;
 mod transition;
@@ -170,6 +172,10 @@ pub struct Inputs<'a> {
     pub previous: BTreeMap<String, Previous>,
     /// The spec changed since the previous division (generation ≠ observedGeneration).
     pub spec_changed: bool,
+    /// `spec.autoscaling`: the maximum is divided, the minimum follows ([`bounds`]).
+    pub autoscaling: Option<Autoscaling>,
+    /// Each cluster's last minimum under autoscaling (`status.clusters[].minReplicas`).
+    pub previous_min: BTreeMap<String, u32>,
 }
 
 impl<'a> Inputs<'a> {
@@ -192,6 +198,11 @@ impl<'a> Inputs<'a> {
             request,
             previous: previous(status),
             spec_changed: status.and_then(|s| s.observed_generation) != app.metadata.generation,
+            autoscaling: app.spec.autoscaling,
+            previous_min: status.map_or_else(BTreeMap::new, |s| {
+                let min = |c: &ClusterStatus| Some((c.name.clone(), clamp(c.min_replicas?)));
+                s.clusters.iter().filter_map(min).collect()
+            }),
         })
     }
 }
@@ -309,6 +320,9 @@ pub struct Schedule {
     /// When the same inputs may divide differently (a grace period ends, replacements
     /// may be Ready): reconcile again by then.
     pub recheck_after: Option<Duration>,
+    /// Under `spec.autoscaling`: each running cluster's bounds; its assignment is its
+    /// maximum.
+    pub bounds: BTreeMap<String, Bounds>,
 }
 
 impl Schedule {
@@ -354,15 +368,31 @@ impl Recheck {
 /// Divides one app's replicas: validate → classify → spread → assign → transition.
 pub fn schedule(inp: &Inputs<'_>) -> Result<Schedule, ScheduleError> {
     let rules = validate::rules(inp.placement)?;
+    if let Some(a) = &inp.autoscaling {
+        bounds::check(a, rules.strategy, rules.total_replicas)?;
+    }
     let mut recheck = Recheck::default();
     let clusters = classify::classify(inp, &rules, &mut recheck);
     let mut out = match rules.strategy {
         None => assign::duplicate(&clusters, inp.template_replicas, &rules.spread)?,
-        Some(strategy) => {
-            let total = rules.total(inp.template_replicas);
-            let division = assign::divide(&clusters, total, strategy, inp.request, &rules.spread)?;
-            transition::transition(&division, &mut recheck)
-        }
+        Some(strategy) => match inp.autoscaling {
+            None => {
+                let total = rules.total(inp.template_replicas);
+                let division =
+                    assign::divide(&clusters, total, strategy, inp.request, &rules.spread)?;
+                transition::transition(&division, &mut recheck, true)
+            }
+            Some(a) => {
+                let total = a.max_replicas.max(0) as u32;
+                let division =
+                    assign::divide(&clusters, total, strategy, inp.request, &rules.spread)
+                        .map_err(bounds::rename_total)?;
+                let mut out = transition::transition(&division, &mut recheck, false);
+                let min = a.min_replicas.max(0) as u32;
+                out.bounds = bounds::divide(min, &out.clusters, &inp.previous_min);
+                out
+            }
+        },
     };
     out.recheck_after = recheck.0;
     Ok(out)
@@ -376,6 +406,7 @@ pub fn annotate(status: &mut FederatedMyAppStatus, schedule: &Schedule) {
         // in the member, the MyApp's own limit. A lying agent's count must not inflate
         // the total (review H2).
         let mut most = MAX_PER_CLUSTER;
+        c.min_replicas = schedule.bounds.get(&c.name).map(|b| b.min as i32);
         if let Some(a) = schedule.clusters.get(&c.name) {
             c.replicas = Some(a.replicas as i32);
             c.scheduling_reason = Some(a.reason);

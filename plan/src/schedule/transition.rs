@@ -13,7 +13,12 @@ use super::assign::Division;
 use super::classify::{Cluster, State};
 use super::{Assignment, Recheck, SURPLUS_RECHECK, Schedule};
 
-pub(super) fn transition(division: &Division<'_, '_>, recheck: &mut Recheck) -> Schedule {
+/// `make_before_break`: false for bounds ([`super::bounds`]), which no Ready count meets.
+pub(super) fn transition(
+    division: &Division<'_, '_>,
+    recheck: &mut Recheck,
+    make_before_break: bool,
+) -> Schedule {
     let without_failover = attribute_failover(division);
     let mut assignments = division
         .clusters
@@ -24,11 +29,13 @@ pub(super) fn transition(division: &Division<'_, '_>, recheck: &mut Recheck) -> 
             (c.name.clone(), assignment)
         })
         .collect();
-    make_before_break(division.clusters, &mut assignments, recheck);
+    if make_before_break {
+        self::make_before_break(division.clusters, &mut assignments, recheck);
+    }
     Schedule {
         divided: true,
         clusters: assignments,
-        recheck_after: None,
+        ..Schedule::default()
     }
 }
 

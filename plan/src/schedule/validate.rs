@@ -22,7 +22,7 @@ pub(super) struct Rules<'p> {
     /// Only under a divided mode: Duplicated renders for every cluster as it always did.
     pub failover: Option<Failover>,
     /// `replicaScheduling.totalReplicas`, not negative.
-    total_replicas: Option<i32>,
+    pub total_replicas: Option<i32>,
 }
 
 impl Rules<'_> {

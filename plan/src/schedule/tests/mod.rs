@@ -3,6 +3,7 @@
 //! apportionment maths on its own.
 
 mod apportion;
+mod bounds;
 mod capacity;
 mod division;
 mod previous;
@@ -47,6 +48,7 @@ struct Case {
     request: Resources,
     previous: BTreeMap<String, Previous>,
     spec_changed: bool,
+    autoscaling: Option<Autoscaling>,
 }
 
 impl Case {
@@ -58,6 +60,7 @@ impl Case {
             request: DEFAULT_REQUEST,
             previous: BTreeMap::new(),
             spec_changed: false,
+            autoscaling: None,
         }
     }
 
@@ -71,6 +74,8 @@ impl Case {
             request: self.request,
             previous: self.previous.clone(),
             spec_changed: self.spec_changed,
+            autoscaling: self.autoscaling,
+            previous_min: BTreeMap::new(),
         })
     }
 
