@@ -547,3 +547,219 @@ impl Drop for Exporter {
         self.task.abort();
     }
 }
+
+/// Federated bounds (issue 22 item 4) over the three members: `spec.autoscaling` min 8,
+/// max 16 at weights 2:1:1 gives each member's HPA 4..8, 2..4, 2..4, written by its
+/// agent; each member's scaler, asked for one queue that all three drain
+/// (`metricScope: federation`), hands its HPA its share of the reading, so the clusters
+/// scale once together, not once each; cluster3 fails over and its bounds move to the
+/// others (5..10, 3..6), where the real HPA controller scales cluster2 up to its new
+/// floor; back, the bounds are as before. Nothing deleted, converged.
+#[tokio::test]
+async fn federated_bounds_follow_the_weights_and_move_on_failover() -> Result<()> {
+    use flotilla_crds::bounds::SHARE_ANNOTATION;
+    use flotilla_e2e::{THREE_MEMBERS, faults};
+    use flotilla_lab::federation::{self, HEARTBEAT_GRACE, agent_name, wait_member_ready};
+
+    const APP: &str = "fed-bounds";
+    let _one = ONE_AT_A_TIME.lock().await;
+    let (env, host, members) = flotilla_e2e::three_members("autoscaling").await?;
+    let f = federation::up(&env).await?;
+    let hpas = |m: &str| Api::<HorizontalPodAutoscaler>::namespaced(members[m].clone(), NS);
+    let fedapps = Api::<FederatedMyApp>::namespaced(host.clone(), NS);
+    // Each member brings its HPA on the MyApp, with bounds the agent replaces.
+    for m in THREE_MEMBERS {
+        let _ = hpas(m).delete(APP, &DeleteParams::default()).await;
+        wait_for(TIMEOUT, "an old HPA gone", || async {
+            Ok(hpas(m).get_opt(APP).await?.is_none().then_some(()))
+        })
+        .await?;
+        let hpa: HorizontalPodAutoscaler = serde_json::from_value(json!({
+            "metadata": {"name": APP, "namespace": NS},
+            "spec": {"scaleTargetRef": {"apiVersion": "app.example.com/v1", "kind": "MyApp", "name": APP},
+                     "minReplicas": 1, "maxReplicas": 1},
+        }))?;
+        hpas(m).create(&PostParams::default(), &hpa).await?;
+    }
+    let app = json!({
+        "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+        "metadata": {"name": APP, "namespace": NS},
+        "spec": {
+            "placement": {
+                "clusters": THREE_MEMBERS.iter().map(|m| json!({"name": m})).collect::<Vec<_>>(),
+                "replicaScheduling": {"mode": "Weighted", "preferences": [{"clusterNames": ["cluster1"], "weight": 2}]},
+                "failover": {"gracePeriodSeconds": 5, "onRecovery": "Rebalance"},
+            },
+            "autoscaling": {"minReplicas": 8, "maxReplicas": 16},
+            "template": {"spec": {"image": "nginx:1.27"}},
+        },
+    });
+    fedapps
+        .patch(APP, &PatchParams::apply("e2e").force(), &Patch::Apply(&app))
+        .await?;
+    let bounds_are = |want: [Option<(i32, i32)>; 3]| {
+        let hpas = &hpas;
+        async move {
+            wait_for(TIMEOUT, &format!("HPA bounds {want:?}"), || async {
+                let mut have = Vec::new();
+                for m in THREE_MEMBERS {
+                    let spec = hpas(m)
+                        .get(APP)
+                        .await?
+                        .spec
+                        .context("an HPA without spec")?;
+                    have.push((spec.min_replicas.unwrap_or(1), spec.max_replicas));
+                }
+                let matches = have
+                    .iter()
+                    .zip(want)
+                    .all(|(h, w)| w.is_none_or(|w| *h == w));
+                Ok(matches.then_some(()))
+            })
+            .await
+        }
+    };
+    let log = DeletionLog::start(&env).await?;
+    let outcome = async {
+        bounds_are([Some((4, 8)), Some((2, 4)), Some((2, 4))]).await?;
+        let mut shares = Vec::new();
+        for m in THREE_MEMBERS {
+            let member = Api::<MyApp>::namespaced(members[m].clone(), NS).get(APP).await?;
+            shares.push(member.annotations().get(SHARE_ANNOTATION).cloned().unwrap_or_default());
+        }
+        ensure!(shares == ["8/16", "4/16", "4/16"], "metric shares {shares:?}");
+        let status = fedapps.get(APP).await?.status.context("no status")?;
+        let shown: Vec<_> = status.clusters.iter().map(|c| (c.min_replicas, c.replicas)).collect();
+        ensure!(shown == [(Some(4), Some(8)), (Some(2), Some(4)), (Some(2), Some(4))], "status {shown:?}");
+        println!("federated bounds: HPAs 4..8, 2..4, 2..4; metric shares {shares:?}");
+
+        global_metric_is_shared(&f, &members).await?;
+
+        // cluster3 fails over: its bounds move, its HPA is left as it was.
+        let agent = agent_name("cluster3");
+        faults::sigkill(&env, &f, &agent)?;
+        wait_member_ready(&host, "cluster3", false, HEARTBEAT_GRACE + Duration::from_secs(15)).await?;
+        bounds_are([Some((5, 10)), Some((3, 6)), Some((2, 4))]).await?;
+        let c2 = Api::<MyApp>::namespaced(members["cluster2"].clone(), NS);
+        wait_for(TIMEOUT, "cluster2's HPA at its new floor of 3", || async {
+            Ok((c2.get(APP).await?.spec.replicas == Some(3)).then_some(()))
+        })
+        .await?;
+        println!("federated bounds: cluster3 failed over -> 5..10, 3..6; the HPA controller scaled cluster2 to 3");
+        faults::start(&env, &f, &agent).await?;
+        wait_member_ready(&host, "cluster3", true, TIMEOUT).await?;
+        bounds_are([Some((4, 8)), Some((2, 4)), Some((2, 4))]).await?;
+        let (report, took) = converge::wait_converged(&env, TIMEOUT).await?;
+        println!("federated bounds: back; converged pairs {}, in {took:.1?}", report.converged);
+        anyhow::Ok(())
+    }
+    .await;
+    let restored = federation::up(&env).await;
+    let cleaned = async {
+        log.assert_clean(&BTreeSet::new())?;
+        let _ = fedapps.delete(APP, &DeleteParams::default()).await;
+        await_object(
+            &fedapps,
+            APP,
+            TIMEOUT,
+            "the FederatedMyApp gone",
+            |a: Option<&FederatedMyApp>| a.is_none(),
+        )
+        .await?;
+        for m in THREE_MEMBERS {
+            let _ = hpas(m).delete(APP, &DeleteParams::default()).await;
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    outcome?;
+    restored?;
+    cleaned
+}
+
+/// One queue that every cluster's replicas drain: a held pod of the MyApp in each member
+/// at one address, where one exporter serves the queue's length, 1,000. Each member's
+/// scaler with `metricScope: federation` hands its HPA its share (8/16, 4/16, 4/16): at
+/// a threshold of 100 the HPAs want 5 + 3 + 3 replicas together, not 10 each.
+async fn global_metric_is_shared(
+    f: &flotilla_lab::federation::Federation,
+    members: &std::collections::BTreeMap<&'static str, Client>,
+) -> Result<()> {
+    use flotilla_proto::externalscaler::external_scaler_client::ExternalScalerClient;
+    use flotilla_proto::externalscaler::{GetMetricsRequest, ScaledObjectRef};
+    use k8s_openapi::api::core::v1::Pod;
+
+    const APP: &str = "fed-bounds";
+    const METRIC: &str = "custom_metric_queue_length";
+    const QUEUE: &str = "127.0.0.9";
+    let port = flotilla_lab::support::free_port()?;
+    let _queue = Exporter::start(QUEUE, port, 1000).await?;
+    let pod_name = "fed-bounds-queue-reader";
+    let mut wanted = 0.0;
+    let mut asked = Vec::new();
+    for (m, client) in members {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+        let _ = pods
+            .delete(pod_name, &DeleteParams::default().grace_period(0))
+            .await;
+        wait_for(TIMEOUT, "an old pod gone", || async {
+            Ok(pods.get_opt(pod_name).await?.is_none().then_some(()))
+        })
+        .await?;
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": pod_name, "labels": {"app.kubernetes.io/name": "myapp", "app.kubernetes.io/instance": APP}},
+            "spec": {"schedulingGates": [{"name": "flotilla.io/e2e-held"}],
+                     "containers": [{"name": "app", "image": "registry.example/app:1"}]},
+        }))?;
+        pods.create(&PostParams::default(), &pod).await?;
+        let status = json!({"status": {"podIP": QUEUE, "podIPs": [{"ip": QUEUE}],
+            "conditions": [{"type": "Ready", "status": "True"}]}});
+        pods.patch_status(pod_name, &PatchParams::default(), &Patch::Merge(&status))
+            .await?;
+        let addr = (f.launch(&flotilla_lab::federation::agent_name(m))?)
+            .arg("scaler-addr")
+            .context("the lab's agent serves no external scaler")?
+            .to_owned();
+        let mut scaler = ExternalScalerClient::connect(format!("http://{addr}")).await?;
+        let meta = [
+            ("scalerAddress", addr.as_str()),
+            ("metricName", METRIC),
+            ("threshold", "100"),
+            ("myApp", APP),
+            ("aggregation", "max"),
+            ("metricScope", "federation"),
+        ];
+        let mut meta: std::collections::HashMap<String, String> = meta
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        meta.insert("metricsPort".into(), port.to_string());
+        let request = GetMetricsRequest {
+            scaled_object_ref: Some(ScaledObjectRef {
+                name: "queue".into(),
+                namespace: NS.into(),
+                scaler_metadata: meta,
+            }),
+            metric_name: format!("s0-{METRIC}"),
+        };
+        let value = scaler
+            .get_metrics(request)
+            .await?
+            .into_inner()
+            .metric_values;
+        let value = value.first().context("no metric value")?.metric_value_float;
+        wanted += (value / 100.0).ceil();
+        asked.push(value);
+        let _ = pods
+            .delete(pod_name, &DeleteParams::default().grace_period(0))
+            .await;
+    }
+    ensure!(
+        asked == [500.0, 250.0, 250.0],
+        "each scaler's share of 1000: {asked:?}"
+    );
+    println!(
+        "federated bounds: one queue of 1000 read as {asked:?}: the HPAs want {wanted} replicas together, not 30"
+    );
+    Ok(())
+}
