@@ -206,7 +206,7 @@ pub async fn run(
     let mut retries = DelayQueue::new();
     let mut resync = tokio::time::interval(RESYNC);
     resync.tick().await;
-    let mut due = every(&bounder.store);
+    let mut due = cache::keys(&bounder.store);
     loop {
         for key in due.drain(..) {
             if let Err(e) = bounder.bound(&key, &mut said).await {
@@ -226,19 +226,11 @@ pub async fn run(
             Err(RecvError::Lagged(_)) => {
                 // What is in place is read again.
                 said.retain(|_, s| !matches!(s, Said::Set(..)));
-                due = every(&bounder.store);
+                due = cache::keys(&bounder.store);
             }
             Err(RecvError::Closed) => return,
         }
     }
-}
-
-fn every(store: &Store<MyApp>) -> Vec<Key> {
-    store
-        .state()
-        .iter()
-        .map(|app| cache::key_of(&**app))
-        .collect()
 }
 
 struct Bounder {

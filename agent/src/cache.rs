@@ -33,6 +33,11 @@ pub fn key_of(app: &impl ResourceExt) -> Key {
     key(app.namespace(), &app.name_any())
 }
 
+/// The key of every MyApp in `store`.
+pub fn keys(store: &Store<MyApp>) -> Vec<Key> {
+    store.state().iter().map(|app| key_of(&**app)).collect()
+}
+
 /// The MyApp at `key` in `store`.
 pub fn get(store: &Store<MyApp>, key: &Key) -> Option<std::sync::Arc<MyApp>> {
     store.get(&ObjectRef::new(&key.name).within(&key.namespace))

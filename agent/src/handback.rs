@@ -31,7 +31,7 @@ pub async fn run(client: Client, managed: Managed, autoscalers: Autoscalers) {
         return;
     }
     let mut retries = DelayQueue::new();
-    let mut due = every(&managed.store);
+    let mut due = cache::keys(&managed.store);
     loop {
         for key in due.drain(..) {
             if let Err(e) = give_back(&client, &managed.store, &autoscalers, &key).await {
@@ -46,18 +46,10 @@ pub async fn run(client: Client, managed: Managed, autoscalers: Autoscalers) {
         };
         match next {
             Ok(key) => due.push(key),
-            Err(RecvError::Lagged(_)) => due = every(&managed.store),
+            Err(RecvError::Lagged(_)) => due = cache::keys(&managed.store),
             Err(RecvError::Closed) => return,
         }
     }
-}
-
-fn every(store: &Store<MyApp>) -> Vec<Key> {
-    store
-        .state()
-        .iter()
-        .map(|app| cache::key_of(&**app))
-        .collect()
 }
 
 /// Whether an autoscaler scales the MyApp itself (one on its Deployment leaves the

@@ -724,15 +724,19 @@ mod tests {
         assert_eq!(schedule.total(), 12);
     }
 
+    /// [`weighted`] with `spec.autoscaling` from 3 to `max` in place of its total.
+    fn autoscaled(max: i32, extra: &str) -> FederatedMyApp {
+        let mut a = weighted(&format!(
+            "  autoscaling: {{minReplicas: 3, maxReplicas: {max}}}\n{extra}"
+        ));
+        let scheduling = a.spec.placement.replica_scheduling.as_mut();
+        scheduling.expect("weighted").total_replicas = None;
+        a
+    }
+
     #[test]
     fn autoscaling_renders_each_clusters_minimum_and_bounds() {
-        let mut a = weighted("  autoscaling: {minReplicas: 3, maxReplicas: 12}\n");
-        a.spec
-            .placement
-            .replica_scheduling
-            .as_mut()
-            .unwrap()
-            .total_replicas = None;
+        let a = autoscaled(12, "");
         let r = render(&a, &members(&["c1", "c2", "c3"])).unwrap();
         assert_eq!(replicas(&r), [("c1", json!(2)), ("c2", json!(1))].into());
         let c1 = ok(&r, "c1");
@@ -762,15 +766,7 @@ mod tests {
     #[test]
     fn bounds_alone_never_change_a_revision() {
         let with = |max: i32| {
-            let mut a = weighted(&format!(
-                "  autoscaling: {{minReplicas: 3, maxReplicas: {max}}}\n  rollout: {{type: Progressive}}\n"
-            ));
-            a.spec
-                .placement
-                .replica_scheduling
-                .as_mut()
-                .unwrap()
-                .total_replicas = None;
+            let a = autoscaled(max, "  rollout: {type: Progressive}\n");
             let r = render(&a, &members(&["c1", "c2", "c3"])).unwrap();
             let c1 = r.clusters["c1"].rendered().unwrap().hash.clone();
             c1[..crate::render::REVISION_LEN].to_owned()
