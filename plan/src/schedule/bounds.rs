@@ -9,7 +9,8 @@
 //! an HPA's). A cluster's share of a global metric is its part of the maximum.
 //!
 //! Bounds, not counts: the autoscaler in each member decides the replicas between them,
-//! so make before break (which waits for a new share to be Ready) does not apply.
+//! so make before break counts a new share as Ready at its new minimum; meanwhile a
+//! cluster losing replicas keeps its old maximum ([`with_held`]).
 
 use std::collections::BTreeMap;
 
@@ -102,6 +103,41 @@ pub fn divide(
                 min,
                 max,
                 parts: max,
+                whole,
+            };
+            (name.clone(), bounds)
+        })
+        .collect()
+}
+
+/// The bounds once make before break has held some clusters' replicas: the `target`
+/// minimum of every cluster that has one (a held cluster keeps its old maximum above
+/// it), the last minimum of a held cluster that is losing its share, and the shares
+/// of the metric over every maximum given out, held ones included (they still drain
+/// their part of a global queue). With nothing held, `target` as it is.
+pub fn with_held(
+    target: BTreeMap<String, Bounds>,
+    assignments: &BTreeMap<String, Assignment>,
+    previous: &BTreeMap<String, u32>,
+) -> BTreeMap<String, Bounds> {
+    let running = || {
+        assignments
+            .iter()
+            .filter(|(_, a)| a.replicas > 0 && a.reason != SchedulingReason::FailedOver)
+    };
+    let whole: u32 = running().map(|(_, a)| a.replicas).sum();
+    running()
+        .map(|(name, a)| {
+            let min = target
+                .get(name)
+                .map(|b| b.min)
+                .or_else(|| previous.get(name).copied())
+                .unwrap_or(1)
+                .clamp(1, a.replicas);
+            let bounds = Bounds {
+                min,
+                max: a.replicas,
+                parts: a.replicas,
                 whole,
             };
             (name.clone(), bounds)
@@ -228,6 +264,7 @@ mod tests {
             let before = divide(min, &a, &BTreeMap::new());
             let previous = before.iter().map(|(c, b)| (c.clone(), b.min)).collect();
             prop_assert_eq!(&divide(min, &a, &previous), &before, "a fixed point");
+            prop_assert_eq!(&with_held(before.clone(), &a, &previous), &before, "nothing held");
             let after = divide(min + 1, &a, &previous);
             for (c, b) in &after {
                 prop_assert!(b.min.abs_diff(before[c].min) <= 1, "{c}: {} then {}", before[c].min, b.min);

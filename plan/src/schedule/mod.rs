@@ -380,16 +380,24 @@ pub fn schedule(inp: &Inputs<'_>) -> Result<Schedule, ScheduleError> {
                 let total = rules.total(inp.template_replicas);
                 let division =
                     assign::divide(&clusters, total, strategy, inp.request, &rules.spread)?;
-                transition::transition(&division, &mut recheck, true)
+                let mut out = transition::transition(&division);
+                let needs = |_: &str, a: &Assignment| a.replicas;
+                transition::make_before_break(&clusters, &mut out.clusters, &mut recheck, needs);
+                out
             }
             Some(a) => {
                 let total = a.max_replicas.max(0) as u32;
                 let division =
                     assign::divide(&clusters, total, strategy, inp.request, &rules.spread)
                         .map_err(bounds::rename_total)?;
-                let mut out = transition::transition(&division, &mut recheck, false);
+                let mut out = transition::transition(&division);
                 let min = a.min_replicas.max(0) as u32;
-                out.bounds = bounds::divide(min, &out.clusters, &inp.previous_min);
+                let target = bounds::divide(min, &out.clusters, &inp.previous_min);
+                // A new share counts as Ready at its new minimum: the autoscalers decide
+                // the rest.
+                let needs = |c: &str, _: &Assignment| target.get(c).map_or(0, |b| b.min);
+                transition::make_before_break(&clusters, &mut out.clusters, &mut recheck, needs);
+                out.bounds = bounds::with_held(target, &out.clusters, &inp.previous_min);
                 out
             }
         },

@@ -13,14 +13,11 @@ use super::assign::Division;
 use super::classify::{Cluster, State};
 use super::{Assignment, Recheck, SURPLUS_RECHECK, Schedule};
 
-/// `make_before_break`: false for bounds ([`super::bounds`]), which no Ready count meets.
-pub(super) fn transition(
-    division: &Division<'_, '_>,
-    recheck: &mut Recheck,
-    make_before_break: bool,
-) -> Schedule {
+/// What each cluster is told before make before break ([`make_before_break`], which the
+/// caller runs with what a new share needs to count as Ready).
+pub(super) fn transition(division: &Division<'_, '_>) -> Schedule {
     let without_failover = attribute_failover(division);
-    let mut assignments = division
+    let assignments = division
         .clusters
         .iter()
         .enumerate()
@@ -29,9 +26,6 @@ pub(super) fn transition(
             (c.name.clone(), assignment)
         })
         .collect();
-    if make_before_break {
-        self::make_before_break(division.clusters, &mut assignments, recheck);
-    }
     Schedule {
         divided: true,
         clusters: assignments,
@@ -100,17 +94,19 @@ fn assign(
     }
 }
 
-/// Make before break: while any cluster's new share is not Ready, the clusters losing
-/// replicas keep them (failed-over clusters are left alone anyway), and the plan asks
-/// to be looked at again.
+/// Make before break: while any eligible cluster has fewer Ready replicas than its new
+/// share `needs` (its assignment; under autoscaling, its new minimum), the clusters
+/// losing replicas keep them (failed-over clusters are left alone anyway), and the plan
+/// asks to be looked at again.
 pub(super) fn make_before_break(
     clusters: &[Cluster<'_>],
     assignments: &mut BTreeMap<String, Assignment>,
     recheck: &mut Recheck,
+    needs: impl Fn(&str, &Assignment) -> u32,
 ) {
     let pending = clusters.iter().any(|c| {
-        let a = assignments[c.name.as_str()];
-        c.state == State::Eligible && a.replicas > c.prev.ready_replicas
+        let a = &assignments[c.name.as_str()];
+        c.state == State::Eligible && needs(c.name.as_str(), a) > c.prev.ready_replicas
     });
     if !pending {
         return;

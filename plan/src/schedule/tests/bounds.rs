@@ -44,16 +44,30 @@ fn a_failed_over_cluster_s_bounds_move_with_its_share() {
 }
 
 #[test]
-fn bounds_move_at_once_without_make_before_break() {
-    let mut c = autoscaled(WEIGHTED, 4, 16);
+fn a_cluster_losing_its_share_keeps_it_until_the_others_run_their_new_minimum() {
+    let mut c = autoscaled(WEIGHTED, 8, 16);
     let s = c.ok();
+    assert_eq!(bounds(&s), [(4, 8), (2, 4), (2, 4)]);
     c.settle(&s);
-    c.set_ready("c3", 0);
+    // c3 drops out (weight 0): c1 and c2 share 16 at 2:1 (10 and 6, minimums 5 and 3).
     c.placement = placement(
-        "replicaScheduling: {mode: Weighted, preferences: [{clusterNames: [c3], weight: 2}]}",
+        "replicaScheduling: {mode: Weighted, preferences: [{clusterNames: [c1], weight: 2}, {clusterNames: [c3], weight: 0}]}",
     );
+    for (cluster, ready) in [("c1", 4), ("c2", 2), ("c3", 2)] {
+        c.set_ready(cluster, ready);
+    }
+    let held = c.ok();
+    assert_eq!(shares(&held), [(10, Weight), (6, Weight), (4, Surplus)]);
+    assert_eq!(held.recheck_after, Some(SURPLUS_RECHECK));
+    // c1 and c2 get their new bounds at once; c3 keeps its own, and its part of the
+    // metric, until they run their new minimums.
+    assert_eq!(bounds(&held), [(5, 10), (3, 6), (2, 4)]);
+    assert_eq!((held.bounds["c3"].parts, held.bounds["c3"].whole), (4, 20));
+    c.set_ready("c1", 5);
+    c.set_ready("c2", 3);
     let moved = c.ok();
-    assert_eq!(shares(&moved), [(4, Weight), (4, Weight), (8, Weight)]);
+    assert_eq!(shares(&moved), [(10, Weight), (6, Weight), (0, Weight)]);
+    assert_eq!(bounds(&moved), [(5, 10), (3, 6)]);
     assert_eq!(moved.recheck_after, None);
 }
 

@@ -49,6 +49,7 @@ struct Case {
     previous: BTreeMap<String, Previous>,
     spec_changed: bool,
     autoscaling: Option<Autoscaling>,
+    previous_min: BTreeMap<String, u32>,
 }
 
 impl Case {
@@ -61,6 +62,7 @@ impl Case {
             previous: BTreeMap::new(),
             spec_changed: false,
             autoscaling: None,
+            previous_min: BTreeMap::new(),
         }
     }
 
@@ -75,7 +77,7 @@ impl Case {
             previous: self.previous.clone(),
             spec_changed: self.spec_changed,
             autoscaling: self.autoscaling,
-            previous_min: BTreeMap::new(),
+            previous_min: self.previous_min.clone(),
         })
     }
 
@@ -97,6 +99,7 @@ impl Case {
                 (c.clone(), prev)
             })
             .collect();
+        self.previous_min = s.bounds.iter().map(|(c, b)| (c.clone(), b.min)).collect();
         self.spec_changed = false;
     }
 
