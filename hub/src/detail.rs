@@ -204,7 +204,11 @@ fn table(detail: &AppDetail) -> String {
         rows.push([
             c.name.clone(),
             c.ready.to_string(),
-            c.replicas.map_or("-".into(), |r| r.to_string()),
+            // Under spec.autoscaling, the cluster's bounds.
+            match (c.min_replicas, c.replicas) {
+                (Some(min), Some(max)) => format!("{min}..{max}"),
+                (_, replicas) => replicas.map_or("-".into(), |r| r.to_string()),
+            },
             c.ready_replicas.to_string(),
             c.scheduling_reason.map_or("-".into(), |r| format!("{r:?}")),
             c.message.clone(),
@@ -252,6 +256,15 @@ mod tests {
                         ..Default::default()
                     },
                     ClusterStatus {
+                        name: "autoscaled".into(),
+                        ready: true,
+                        min_replicas: Some(2),
+                        replicas: Some(4),
+                        ready_replicas: 3,
+                        scheduling_reason: Some(SchedulingReason::Weight),
+                        ..Default::default()
+                    },
+                    ClusterStatus {
                         name: "a-long-cluster-name".into(),
                         ready_replicas: 0,
                         message: "0 replica(s) ready".into(),
@@ -268,6 +281,7 @@ mod tests {
              clusters: placed 2, applied 2, ready 1, pending 0, disconnected 0, failed 0, failed over 0\n\
              CLUSTER              READY  REPLICAS  READY-REPLICAS  REASON  MESSAGE\n\
              cluster1             true   2         2               Weight\n\
+             autoscaled           true   2..4      3               Weight\n\
              a-long-cluster-name  false  -         0               -       0 replica(s) ready\n"
         );
         let json = render(&detail, StatusOutput::Json).unwrap();
