@@ -633,6 +633,38 @@ async fn federated_bounds_follow_the_weights_and_move_on_failover() -> Result<()
         ensure!(shown == [(Some(4), Some(8)), (Some(2), Some(4)), (Some(2), Some(4))], "status {shown:?}");
         println!("federated bounds: HPAs 4..8, 2..4, 2..4; metric shares {shares:?}");
 
+        // The HPA controller clamps each MyApp into its bounds; then nothing moves while
+        // the FederatedMyApp is applied again (GitOps) and every writer reconciles.
+        let members_run = || async {
+            let mut runs = Vec::new();
+            for m in THREE_MEMBERS {
+                let member = Api::<MyApp>::namespaced(members[m].clone(), NS).get(APP).await?;
+                let hpa = hpas(m).get(APP).await?.spec.context("an HPA without spec")?;
+                runs.push((member.spec.replicas, hpa.min_replicas, hpa.max_replicas));
+            }
+            anyhow::Ok(runs)
+        };
+        let settled = wait_for(TIMEOUT, "each member at its floor", || async {
+            let runs = members_run().await?;
+            let floors = runs.iter().map(|r| r.0).collect::<Vec<_>>();
+            Ok((floors == [Some(4), Some(2), Some(2)]).then_some(runs))
+        })
+        .await?;
+        let start = Instant::now();
+        let mut samples = 0;
+        while start.elapsed() < Duration::from_secs(20) {
+            if samples % 8 == 4 {
+                fedapps
+                    .patch(APP, &PatchParams::apply("e2e").force(), &Patch::Apply(&app))
+                    .await?;
+            }
+            let now = members_run().await?;
+            ensure!(now == settled, "after {:.0?}: {now:?}, was {settled:?}", start.elapsed());
+            samples += 1;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        println!("federated bounds: {samples} samples over 20 s with re-applies, all {settled:?}");
+
         global_metric_is_shared(&f, &members).await?;
 
         // cluster3 fails over: its bounds move, its HPA is left as it was.
