@@ -199,20 +199,27 @@ impl DispatchMetrics {
         );
     }
 
-    pub fn sent(&self, cluster: &str, message: &pb::HubMessage) {
-        let kind = match message.kind {
-            Some(Kind::Apply(_)) => "apply",
-            Some(Kind::Delete(_)) => "delete",
-            Some(Kind::SyncComplete(_)) => "sync_complete",
-            Some(Kind::RenewToken(_)) => "renew_token",
-            None => "empty",
-        };
-        self.sent
-            .get_or_create(&SentLabels {
+    /// One session's handles on its cluster's series, looked up once: sending a message
+    /// then costs an atomic add, not a label `String` and a map lookup.
+    pub fn session(&self, cluster: &str) -> SessionMetrics {
+        let sent = |kind| {
+            let labels = SentLabels {
                 cluster: cluster.to_owned(),
                 kind,
-            })
-            .inc();
+            };
+            self.sent.get_or_create(&labels).clone()
+        };
+        let labels = ClusterLabels {
+            cluster: cluster.to_owned(),
+        };
+        SessionMetrics {
+            apply: sent("apply"),
+            delete: sent("delete"),
+            sync_complete: sent("sync_complete"),
+            sent: self.sent.clone(),
+            cluster: cluster.to_owned(),
+            depth: self.depth.get_or_create(&labels).clone(),
+        }
     }
 
     pub fn collection_blocked(&self, cluster: &str, would_collect: u32) {
@@ -229,6 +236,42 @@ impl DispatchMetrics {
                 cluster: cluster.to_owned(),
             })
             .set(depth as i64);
+    }
+}
+
+/// A session's counters of messages sent, by kind, and its queue depth.
+pub struct SessionMetrics {
+    apply: Counter,
+    delete: Counter,
+    sync_complete: Counter,
+    /// Kinds a session sends rarely, looked up (and their series made) when it does.
+    sent: Family<SentLabels, Counter>,
+    cluster: String,
+    depth: Gauge,
+}
+
+impl SessionMetrics {
+    pub fn sent(&self, message: &pb::HubMessage) {
+        let counter = match message.kind {
+            Some(Kind::Apply(_)) => &self.apply,
+            Some(Kind::Delete(_)) => &self.delete,
+            Some(Kind::SyncComplete(_)) => &self.sync_complete,
+            Some(Kind::RenewToken(_)) => return self.sent_rare("renew_token"),
+            None => return self.sent_rare("empty"),
+        };
+        counter.inc();
+    }
+
+    fn sent_rare(&self, kind: &'static str) {
+        let labels = SentLabels {
+            cluster: self.cluster.clone(),
+            kind,
+        };
+        self.sent.get_or_create(&labels).inc();
+    }
+
+    pub fn queue_depth(&self, depth: usize) {
+        self.depth.set(depth as i64);
     }
 }
 
@@ -661,5 +704,40 @@ mod tests {
         };
         d.planned_for(["c1".to_owned()].into());
         assert!(waiter.await.unwrap());
+    }
+}
+
+#[cfg(test)]
+mod session_metrics {
+    use super::*;
+    use prometheus_client::encoding::text::encode;
+
+    #[test]
+    fn a_sessions_handles_count_into_its_clusters_series() {
+        let metrics = DispatchMetrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let session = metrics.session("c1");
+        let message = |kind| pb::HubMessage { kind };
+        let sync = Kind::SyncComplete(pb::SyncComplete::default());
+        session.sent(&message(Some(Kind::Delete(pb::Delete::default()))));
+        session.sent(&message(Some(sync.clone())));
+        session.sent(&message(Some(sync)));
+        session.sent(&message(Some(Kind::RenewToken(pb::RenewToken::default()))));
+        session.queue_depth(7);
+        // A second session of the cluster counts on in the same series.
+        metrics.session("c1").sent(&message(None));
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        for line in [
+            r#"flotilla_hub_messages_sent_total{cluster="c1",kind="apply"} 0"#,
+            r#"flotilla_hub_messages_sent_total{cluster="c1",kind="delete"} 1"#,
+            r#"flotilla_hub_messages_sent_total{cluster="c1",kind="sync_complete"} 2"#,
+            r#"flotilla_hub_messages_sent_total{cluster="c1",kind="renew_token"} 1"#,
+            r#"flotilla_hub_messages_sent_total{cluster="c1",kind="empty"} 1"#,
+            r#"flotilla_hub_queue_depth{cluster="c1"} 7"#,
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
     }
 }

@@ -326,6 +326,7 @@ async fn send_loop(
     host: Arc<dyn Host>,
     tx: mpsc::Sender<Result<pb::HubMessage, Status>>,
 ) {
+    let metrics = dispatcher.metrics.session(q.cluster());
     loop {
         let batch = tokio::select! {
             // Closing wins over pending messages: nothing is sent on a session that was
@@ -343,12 +344,12 @@ async fn send_loop(
             batch = q.next_batch(BATCH) => batch,
         };
         for message in batch {
-            dispatcher.metrics.sent(q.cluster(), &message);
+            metrics.sent(&message);
             if tx.send(Ok(message)).await.is_err() {
                 return;
             }
         }
-        dispatcher.metrics.queue_depth(q.cluster(), q.depth());
+        metrics.queue_depth(q.depth());
     }
 }
 
