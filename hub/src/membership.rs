@@ -24,7 +24,6 @@ use flotilla_crds::MemberCluster;
 use flotilla_crds::condition;
 use flotilla_crds::member::{ClusterCapacity, MemberClusterStatus};
 use flotilla_plan::placement::{Members, registered_of};
-use flotilla_plan::planner::{capacity, shape};
 use futures::{Stream, StreamExt};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -40,6 +39,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use self::fleet::Fleet;
 use crate::auth::{self, MemberLookup as _};
 use crate::convert::{HELLO_STRING_MAX as AGENT_STRING_MAX, capped};
 use crate::dispatch::Dispatcher;
@@ -129,15 +129,6 @@ pub fn foreign_cluster(member: &MemberCluster, uid: &str, id: &str) -> Option<St
     })
 }
 
-/// The clusters whose MemberCluster shows `Ready=True` now.
-fn ready_clusters(members: &Store<MemberCluster>) -> HashSet<String> {
-    let ready = members.state().into_iter().filter(|m| {
-        let conditions = m.status.as_ref().map_or(&[][..], |s| &s.conditions);
-        condition::is_true(conditions, "Ready") == Some(true)
-    });
-    ready.map(|m| m.name_any()).collect()
-}
-
 /// Lets a signal through at once, then at most once per `every`: what comes meanwhile
 /// goes out together when that time is up.
 #[derive(Debug)]
@@ -198,7 +189,7 @@ pub async fn watch_members(
     client: kube::Client,
 ) -> anyhow::Result<()> {
     let api: Api<MemberCluster> = Api::all(client);
-    let (mut last_shape, mut last_capacity) = (None, None);
+    let (mut fleet, mut listed) = (Fleet::default(), false);
     let mut replan = Debounce::new(CAPACITY_REPLAN_EVERY);
     let mut used_at: HashMap<String, String> = HashMap::new();
     let mut events = std::pin::pin!(events);
@@ -240,26 +231,35 @@ pub async fn watch_members(
                 }
             }
         }
-        if matches!(event, watcher::Event::Init | watcher::Event::InitApply(_)) {
-            continue;
-        }
+        let moved = match &event {
+            watcher::Event::Init | watcher::Event::InitApply(_) => continue,
+            watcher::Event::InitDone => {
+                let relisted = Fleet::of(&members);
+                let mut moved = relisted.moved_since(&fleet);
+                // The first list is news to the planner even when the fleet is empty.
+                moved.shape |= !listed;
+                (fleet, listed) = (relisted, true);
+                moved
+            }
+            watcher::Event::Apply(member) => fleet.apply(member),
+            watcher::Event::Delete(member) => fleet.delete(&member.name_any()),
+        };
+        // Every session: a token also expires with time, not only with its own
+        // cluster's events.
         for session in dispatcher.sessions() {
             if auth::revoked(&members, &session.identity()) {
                 info!(cluster = %session.cluster(), "credential revoked or rotated, or MemberCluster deleted: closing its session");
                 dispatcher.close(session.cluster());
             }
         }
-        if let Some(status) = &membership.status {
-            status.set_reachable(ready_clusters(&members));
+        if let Some(status) = membership.status.as_ref().filter(|_| moved.ready) {
+            status.set_reachable(fleet.ready().clone());
         }
-        let now = registered(&members);
-        let (shape, capacity) = (shape(&now), capacity(&now));
-        if last_shape.as_ref() != Some(&shape) {
+        if moved.shape {
             changed.send_modify(|c| c.clusters += 1);
-        } else if last_capacity.as_ref() != Some(&capacity) && replan.hit(Instant::now()) {
+        } else if moved.capacity && replan.hit(Instant::now()) {
             changed.send_modify(|c| c.capacity += 1);
         }
-        (last_shape, last_capacity) = (Some(shape), Some(capacity));
     }
     bail!("the MemberCluster watch ended")
 }
@@ -807,5 +807,6 @@ fn to_value(status: Option<&MemberClusterStatus>) -> Value {
     })
 }
 
+mod fleet;
 #[cfg(test)]
 mod tests;

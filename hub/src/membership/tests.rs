@@ -574,14 +574,12 @@ fn the_board_hears_heartbeats_and_readiness() {
     let board = Arc::new(StatusBoard::default());
     let m = Membership::new(Duration::from_secs(40)).with_status(board.clone());
     m.heartbeat("c1");
-    assert_eq!(
-        ready_clusters(&store(&[
-            ("c1", Some(true)),
-            ("c2", Some(false)),
-            ("c3", None)
-        ])),
-        HashSet::from(["c1".to_owned()])
-    );
+    let fleet = fleet::Fleet::of(&store(&[
+        ("c1", Some(true)),
+        ("c2", Some(false)),
+        ("c3", None),
+    ]));
+    assert_eq!(fleet.ready(), &HashSet::from(["c1".to_owned()]));
 }
 
 fn member(name: &str, ready: bool) -> MemberCluster {
