@@ -15,10 +15,12 @@
 //!   was removed by hand. A new object of the same name takes over what the old one
 //!   placed, and calls off its deletion: its MyApps are the host's wish again (rule 1).
 //!   Releases (`kubefed.io/orphan`) go on, and the new object waits for them.
-//! - A change of what placement reads of the registered clusters plans every app, then
-//!   says which clusters every app was planned for (agents are admitted only then). It
-//!   is looked for at every trigger, so that no plan uses clusters the index was not
-//!   told about; a change of capacity alone plans the apps divided by capacity.
+//! - A change of what placement reads of the registered clusters plans the apps it can
+//!   affect (those whose placement takes a moved cluster before or after, and those
+//!   whose plan failed as a whole; every app the first time), then says which clusters
+//!   every app was planned for (agents are admitted only then). It is looked for at
+//!   every trigger, so that no plan uses clusters the index was not told about; a
+//!   change of capacity alone plans the apps divided by capacity.
 //! - A change of the ClusterGrants plans every app of each namespace whose grants
 //!   changed, with the clusters of the same snapshot. It too is looked for at every
 //!   trigger, so that no plan uses grants other than the latest the hub listed. A grant
@@ -28,14 +30,15 @@
 //! - A progressive app ([`crate::rollout`]) is planned again when what its agents report
 //!   changes the revision or readiness of one of its clusters (`Observed`).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flotilla_crds::FederatedMyApp;
-use flotilla_crds::federated::{HUB_FINALIZER, ORPHAN_ANNOTATION, SchedulingMode};
+use flotilla_crds::federated::{HUB_FINALIZER, ORPHAN_ANNOTATION, Placement, SchedulingMode};
 use flotilla_crds::member::ClusterCapacity;
 use kube::ResourceExt;
+use kube::core::SelectorExt;
 
 use crate::admission::Admission;
 use crate::grants::Grants;
@@ -126,10 +129,13 @@ fn by_capacity(app: &FederatedMyApp) -> bool {
     scheduling.is_some_and(|r| r.mode == SchedulingMode::Capacity)
 }
 
+/// One cluster's [`shape`]: its name, labels, cordon, and NotReady or not.
+pub type ShapeEntry = (String, Labels, bool, bool);
+
 /// What placement and scheduling read of each registered cluster besides its capacity.
 /// Readiness counts as ready or not: how long a cluster has been NotReady moves with the
 /// clock, and each plan asks to be looked at again when a grace period ends.
-pub fn shape(members: &Members) -> Vec<(String, Labels, bool, bool)> {
+pub fn shape(members: &Members) -> Vec<ShapeEntry> {
     members
         .iter()
         .map(|(name, m)| {
@@ -144,11 +150,56 @@ pub fn capacity(members: &Members) -> Vec<Option<ClusterCapacity>> {
     members.values().map(|m| m.capacity.clone()).collect()
 }
 
+/// One registered cluster whose shape moved: its labels before and after (`None`: not
+/// registered then).
+#[derive(Debug)]
+struct Moved<'a> {
+    name: &'a str,
+    before: Option<&'a Labels>,
+    after: Option<&'a Labels>,
+}
+
+/// The clusters whose shape differs between `before` and `after` (both in name order).
+fn moved<'a>(before: &'a [ShapeEntry], after: &'a [ShapeEntry]) -> Vec<Moved<'a>> {
+    let index = |shape: &'a [ShapeEntry]| -> HashMap<&'a str, &'a ShapeEntry> {
+        shape.iter().map(|e| (e.0.as_str(), e)).collect()
+    };
+    let (was, is) = (index(before), index(after));
+    let names: BTreeSet<&str> = was.keys().chain(is.keys()).copied().collect();
+    names
+        .into_iter()
+        .filter(|name| was.get(name) != is.get(name))
+        .map(|name| Moved {
+            name,
+            before: was.get(name).map(|e| &e.1),
+            after: is.get(name).map(|e| &e.1),
+        })
+        .collect()
+}
+
+/// Whether `placement` takes the moved cluster before or after its move. A selector
+/// that does not parse fails the app's plan as a whole (it is planned anyway).
+fn may_place(placement: &Placement, moved: &Moved<'_>) -> bool {
+    if let Some(named) = &placement.clusters {
+        return named.iter().any(|c| c.name == moved.name);
+    }
+    let Some(selector) = &placement.cluster_selector else {
+        return false;
+    };
+    let Ok(selector) = crate::placement::parse_selector(selector, "") else {
+        return true;
+    };
+    [moved.before, moved.after]
+        .into_iter()
+        .flatten()
+        .any(|labels| selector.matches(labels))
+}
+
 /// What the registered clusters were when every app was last planned: their shape,
 /// and their capacity when the apps divided by capacity were.
 #[derive(Debug, PartialEq)]
 struct PlannedFor {
-    shape: Vec<(String, Labels, bool, bool)>,
+    shape: Vec<ShapeEntry>,
     capacity: Vec<Option<ClusterCapacity>>,
 }
 
@@ -197,6 +248,8 @@ pub struct Planner {
     planned_for: Option<PlannedFor>,
     grants: Grants,
     rechecks: Rechecks,
+    /// Apps whose last plan failed as a whole (it keeps every registered cluster).
+    unplanned: HashSet<AppKey>,
 }
 
 impl Planner {
@@ -210,9 +263,9 @@ impl Planner {
 
     /// Plans what `trigger` may have changed, with the apps, the registered clusters and
     /// the grants as they are now. Whatever the trigger, clusters of another shape than
-    /// every app was planned for are planned for first (every app), so that no plan
-    /// uses clusters the index was not told about; then the apps of each namespace whose
-    /// grants changed.
+    /// every app was planned for are planned for first (the apps they can affect), so
+    /// that no plan uses clusters the index was not told about; then the apps of each
+    /// namespace whose grants changed.
     pub fn handle(
         &mut self,
         trigger: Trigger,
@@ -226,13 +279,14 @@ impl Planner {
         let members = (members, grants);
         match trigger {
             Trigger::Applied(key) | Trigger::Observed(key) => {
-                let planned = replanned || regranted.contains(&key.namespace);
+                let planned = replanned.contains(&key) || regranted.contains(&key.namespace);
                 if let Some(app) = apps.get(&key).filter(|_| !planned) {
                     self.plan_app(&app, members, now, fx);
                 }
             }
             Trigger::Gone { key, orphan } => {
                 self.rechecks.set(&key, None);
+                self.unplanned.remove(&key);
                 let replacement = apps.get(&key);
                 fx.drop_app(&key, orphan, replacement.is_some());
                 fx.forget(&key);
@@ -258,10 +312,17 @@ impl Planner {
         self.rechecks.next()
     }
 
-    /// Plans every app when the registered clusters changed what placement reads of
-    /// them (or the first time), then says which clusters every app was planned for: a
-    /// cluster that left is no longer waited for, a new one's agent may be admitted.
-    /// True when it did.
+    /// Plans the apps a change of what placement reads of the registered clusters can
+    /// affect (every app the first time), then says which clusters every app was planned
+    /// for: a cluster that left is no longer waited for, a new one's agent may be
+    /// admitted. Returns the apps it planned.
+    ///
+    /// A plan reads the registered clusters only through placement, which takes or
+    /// leaves each cluster on its own ([`crate::placement::place`]); everything after it
+    /// (grants, schedule, render, rollout) reads the placed clusters. So an app is
+    /// affected by a moved cluster only if its placement takes that cluster before or
+    /// after the move ([`may_place`]), or if it could not be planned at all, since such
+    /// a plan keeps every registered cluster ([`AppPlan::placement_error`]).
     fn plan_for_shape(
         &mut self,
         apps: &impl Apps,
@@ -269,21 +330,35 @@ impl Planner {
         grants: &Grants,
         now: Instant,
         fx: &mut impl Effects,
-    ) -> bool {
+    ) -> HashSet<AppKey> {
         let shape = shape(members);
         if self.planned_for.as_ref().is_some_and(|p| p.shape == shape) {
-            return false;
+            return HashSet::new();
         }
-        self.grants = grants.clone();
+        let before = self.planned_for.take();
+        let moved = before.as_ref().map(|p| moved(&p.shape, &shape));
+        if moved.is_none() {
+            // Every app is planned with these grants.
+            self.grants = grants.clone();
+        }
+        let mut planned = HashSet::new();
         for app in apps.all() {
-            self.plan_app(&app, (members, grants), now, fx);
+            let key = key_of(&app);
+            let affected = moved.as_ref().is_none_or(|moved| {
+                self.unplanned.contains(&key)
+                    || moved.iter().any(|m| may_place(&app.spec.placement, m))
+            });
+            if affected {
+                self.plan_app(&app, (members, grants), now, fx);
+                planned.insert(key);
+            }
         }
         fx.planned_for(members.keys().cloned().collect());
         self.planned_for = Some(PlannedFor {
             shape,
             capacity: capacity(members),
         });
-        true
+        planned
     }
 
     /// Plans the apps of each namespace whose grants changed; returns those namespaces.
@@ -338,6 +413,10 @@ impl Planner {
     ) {
         let key = key_of(app);
         let mut plan = plan(app, members, &self.admission, grants);
+        match plan.placement_error {
+            Some(_) => self.unplanned.insert(key.clone()),
+            None => self.unplanned.remove(&key),
+        };
         let recheck = if app.metadata.deletion_timestamp.is_some() {
             // Every registered cluster the spec places it on must confirm, even one this
             // hub never saw hold it (after a restart, say).
@@ -539,5 +618,137 @@ mod tests {
         );
         assert!(matches!(fx.desired["c2"], Desired::Apply(_)));
         assert_eq!(fx.state.as_deref(), Some("Progressing"), "wave 2 of 2");
+    }
+
+    // ---- a member change plans only the apps it can affect ----
+
+    /// Many apps; their latest desired state and plan, by key.
+    #[derive(Default)]
+    struct Recorded {
+        desired: BTreeMap<AppKey, BTreeMap<String, Desired>>,
+        plans: BTreeMap<AppKey, AppPlan>,
+    }
+
+    impl Effects for Recorded {
+        fn set_app(&mut self, key: &AppKey, _: Option<i64>, d: BTreeMap<String, Desired>) -> bool {
+            self.desired.insert(key.clone(), d);
+            true
+        }
+        fn delete_app(&mut self, _: &AppKey, _: bool, _: &[String]) -> Vec<String> {
+            Vec::new()
+        }
+        fn drop_app(&mut self, _: &AppKey, _: bool, _: bool) {}
+        fn planned_for(&mut self, _: BTreeSet<String>) {}
+        fn publish(&mut self, key: &AppKey, plan: AppPlan, _: Option<Vec<String>>) {
+            self.plans.insert(key.clone(), plan);
+        }
+        fn forget(&mut self, _: &AppKey) {}
+        fn observed(&self, _: &AppKey) -> Observed {
+            Observed::default()
+        }
+    }
+
+    struct Many(Vec<Arc<FederatedMyApp>>);
+
+    impl Apps for Many {
+        fn get(&self, key: &AppKey) -> Option<Arc<FederatedMyApp>> {
+            self.0.iter().find(|a| key_of(a) == *key).cloned()
+        }
+        fn all(&self) -> Vec<Arc<FederatedMyApp>> {
+            self.0.clone()
+        }
+    }
+
+    /// Apps of every kind of placement: by name (one never registered), by selector,
+    /// every cluster, none, a selector that does not parse, a division that may not fit.
+    fn many() -> Many {
+        let placements = [
+            "{clusters: [{name: c0}, {name: c2}]}",
+            "{clusters: [{name: c5}]}",
+            "{clusterSelector: {matchLabels: {zone: a}}}",
+            "{clusterSelector: {matchExpressions: [{key: zone, operator: In, values: [a, b]}]}}",
+            "{clusterSelector: {}}",
+            "{}",
+            "{clusterSelector: {matchExpressions: [{key: zone, operator: Sideways}]}}",
+            "{clusterSelector: {matchLabels: {zone: b}}, replicaScheduling: {mode: Weighted, totalReplicas: 12}}",
+            "{clusterSelector: {matchLabels: {zone: c}}, replicaScheduling: {mode: Weighted, totalReplicas: 3}, spread: {minClusters: 2}}",
+        ];
+        let apps = placements.iter().enumerate().map(|(i, placement)| {
+            let yaml = format!(
+                "apiVersion: core.kubefed.io/v1beta1\nkind: FederatedMyApp\nmetadata: {{name: app{i}, namespace: prod, generation: 1, finalizers: [core.kubefed.io/flotilla-hub]}}\n\
+                 spec:\n  placement: {placement}\n  template: {{spec: {{replicas: 2, image: 'nginx:2'}}}}\n"
+            );
+            Arc::new(serde_yaml::from_str::<FederatedMyApp>(&yaml).expect("valid app"))
+        });
+        Many(apps.collect())
+    }
+
+    /// A change to one cluster: registered with these labels, cordon and readiness, or
+    /// gone.
+    type Step = (u8, Option<(u8, bool, bool)>);
+
+    fn apply(members: &mut Members, (n, change): Step) {
+        let name = format!("c{n}");
+        match change {
+            None => {
+                members.remove(&name);
+            }
+            Some((zone, cordoned, not_ready)) => {
+                let zone = ["a", "b", "c"][zone as usize % 3];
+                let member = crate::placement::Member {
+                    labels: [("zone".to_owned(), zone.to_owned())].into(),
+                    unschedulable: cordoned,
+                    not_ready_for: not_ready.then_some(Duration::ZERO),
+                    capacity: None,
+                };
+                members.insert(name, member);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// After every change of the registered clusters, each app's desired state and
+        /// plan are what planning every app from scratch gives.
+        #[test]
+        fn a_member_change_plans_exactly_the_apps_it_can_affect(
+            steps in proptest::collection::vec(
+                (0u8..6, proptest::option::of((0u8..3, proptest::bool::ANY, proptest::bool::ANY))),
+                1..25,
+            )
+        ) {
+            let apps = many();
+            let grants = Grants::default();
+            let t0 = Instant::now();
+            let mut members = Members::new();
+            let (mut planner, mut fx) = (Planner::default(), Recorded::default());
+            for step in steps {
+                apply(&mut members, step);
+                planner.handle(Trigger::Members, &apps, (&members, &grants), t0, &mut fx);
+                let mut fresh = Recorded::default();
+                Planner::default().handle(Trigger::Members, &apps, (&members, &grants), t0, &mut fresh);
+                proptest::prop_assert_eq!(&fx.plans, &fresh.plans);
+                proptest::prop_assert_eq!(&fx.desired, &fresh.desired);
+            }
+        }
+    }
+
+    /// A new cluster in zone c is news only to the apps that can take it (every
+    /// cluster's, zone c's) and to those whose plans fail as a whole (a selector that
+    /// does not parse; 12 replicas that zone b's one cluster cannot hold).
+    #[test]
+    fn a_new_cluster_plans_only_the_apps_that_can_take_it() {
+        let apps = many();
+        let (grants, t0) = (Grants::default(), Instant::now());
+        let mut members = Members::new();
+        apply(&mut members, (0, Some((0, false, false))));
+        apply(&mut members, (1, Some((1, false, false))));
+        let (mut planner, mut fx) = (Planner::default(), Recorded::default());
+        planner.handle(Trigger::Members, &apps, (&members, &grants), t0, &mut fx);
+        assert_eq!(fx.plans.len(), 9, "the first time, every app");
+        fx.plans.clear();
+        apply(&mut members, (3, Some((2, false, false))));
+        planner.handle(Trigger::Members, &apps, (&members, &grants), t0, &mut fx);
+        let planned: Vec<&str> = fx.plans.keys().map(|k| k.name.as_str()).collect();
+        assert_eq!(planned, ["app4", "app6", "app7", "app8"]);
     }
 }
