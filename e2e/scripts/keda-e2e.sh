@@ -15,7 +15,7 @@
 # `custom_metric_queue_length`. The queue goes 50 -> 350 -> (FederatedMyApp re-applied)
 # -> 50; the MyApp's replicas are sampled every 2 s and must go 1 -> 4 -> 1, never
 # leaving a phase's value once reached, and the re-apply must leave them alone.
-# Everything it creates is deleted at the end (KEDA's CRDs stay).
+# Everything it creates is deleted at the end, KEDA's CRDs too if it installed them.
 set -euo pipefail
 
 MEMBER="${1:-cluster1}"
@@ -46,6 +46,7 @@ PY
 
 WORK=$(mktemp -d /tmp/flotilla-keda-e2e.XXXXXX)
 PIDS=()
+CRDS_INSTALLED=
 cleanup() {
   set +e
   km delete scaledobject "$APP" -n "$NS" --ignore-not-found --wait=false >/dev/null
@@ -53,6 +54,7 @@ cleanup() {
   kh delete federatedmyapp "$APP" -n "$NS" --ignore-not-found >/dev/null
   km delete apiservice v1beta1.external.metrics.k8s.io --ignore-not-found >/dev/null
   km delete namespace keda --ignore-not-found --wait=false >/dev/null
+  [[ -n "$CRDS_INSTALLED" ]] && km delete --ignore-not-found -f "$KEDA_BIN/../crd/" >/dev/null
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
   wait 2>/dev/null
   echo "keda-e2e: cleaned up; logs in $WORK"
@@ -71,6 +73,7 @@ printf 'subjectAltName=DNS:localhost,DNS:keda-operator.keda.svc,DNS:keda-metrics
 openssl x509 -req -in "$certs/tls.csr" -CA "$certs/ca.crt" -CAkey "$certs/ca.key" -CAcreateserial \
   -days 2 -extfile "$certs/ext" -out "$certs/tls.crt" 2>/dev/null
 
+km get crd scaledobjects.keda.sh >/dev/null 2>&1 || CRDS_INSTALLED=1
 "$(dirname "$0")/keda.sh" "$MEMBER_KC"
 km create namespace keda --dry-run=client -o yaml | km apply -f - >/dev/null
 

@@ -49,7 +49,13 @@ if [[ $# -ge 1 ]]; then
   kubectl --kubeconfig "$1" apply --server-side -f "$CACHE/crd/" >/dev/null
   for crd in scaledobjects.keda.sh scaledjobs.keda.sh triggerauthentications.keda.sh \
     clustertriggerauthentications.keda.sh; do
-    kubectl --kubeconfig "$1" wait --for condition=established --timeout=60s "crd/$crd" >/dev/null
+    # (`kubectl wait` fails at once on a CRD with no conditions yet.)
+    for _ in $(seq 60); do
+      [[ $(kubectl --kubeconfig "$1" get "crd/$crd" \
+        -o jsonpath='{.status.conditions[?(@.type=="Established")].status}') == True ]] && break
+      sleep 1
+    done
+    kubectl --kubeconfig "$1" wait --for condition=established --timeout=10s "crd/$crd" >/dev/null
   done
   echo "keda.sh: KEDA $KEDA_VERSION CRDs installed via $1"
 fi
