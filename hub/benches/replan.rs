@@ -1,0 +1,127 @@
+//! Re-planning after one cluster's readiness flips: 1,000 apps each placed by name on 3
+//! of 300 clusters, and 10 on every cluster. The planner that planned the fleet plans
+//! only the apps a moved cluster can affect; the baseline, measured in the same run, is
+//! what a flip cost before: planning every app (a fresh planner's first pass).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use flotilla_crds::{AppKey, FederatedMyApp};
+use flotilla_plan::AppPlan;
+use flotilla_plan::grants::Grants;
+use flotilla_plan::index::Desired;
+use flotilla_plan::placement::{Member, Members};
+use flotilla_plan::planner::{Apps, Effects, Planner, Trigger, key_of};
+use flotilla_plan::rollout::Observed;
+use serde_json::json;
+
+const CLUSTERS: usize = 300;
+const APPS: usize = 1_000;
+const EVERYWHERE: usize = 10;
+
+struct Fleet(Vec<Arc<FederatedMyApp>>);
+
+impl Apps for Fleet {
+    fn get(&self, key: &AppKey) -> Option<Arc<FederatedMyApp>> {
+        self.0.iter().find(|a| key_of(a) == *key).cloned()
+    }
+    fn all(&self) -> Vec<Arc<FederatedMyApp>> {
+        self.0.clone()
+    }
+}
+
+/// Counts the apps planned; keeps nothing.
+#[derive(Default)]
+struct Count(usize);
+
+impl Effects for Count {
+    fn set_app(&mut self, _: &AppKey, _: Option<i64>, d: BTreeMap<String, Desired>) -> bool {
+        black_box(d);
+        true
+    }
+    fn delete_app(&mut self, _: &AppKey, _: bool, _: &[String]) -> Vec<String> {
+        Vec::new()
+    }
+    fn drop_app(&mut self, _: &AppKey, _: bool, _: bool) {}
+    fn planned_for(&mut self, _: BTreeSet<String>) {}
+    fn publish(&mut self, _: &AppKey, plan: AppPlan, _: Option<Vec<String>>) {
+        self.0 += 1;
+        black_box(plan);
+    }
+    fn forget(&mut self, _: &AppKey) {}
+    fn observed(&self, _: &AppKey) -> Observed {
+        Observed::default()
+    }
+}
+
+fn app(i: usize, placement: serde_json::Value) -> Arc<FederatedMyApp> {
+    let app = json!({
+        "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+        "metadata": {"name": format!("app{i:04}"), "namespace": "default", "generation": 1,
+                     "finalizers": ["core.kubefed.io/flotilla-hub"]},
+        "spec": {"placement": placement,
+                 "template": {"spec": {"replicas": 2, "image": "nginx:1.27"}}},
+    });
+    Arc::new(serde_json::from_value(app).unwrap())
+}
+
+fn fixture() -> (Fleet, Members, Members) {
+    let name = |c: usize| format!("cluster{:03}", c % CLUSTERS);
+    let mut apps: Vec<_> = (0..APPS)
+        .map(|i| {
+            let named: Vec<_> = (0..3).map(|k| json!({"name": name(i + k * 97)})).collect();
+            app(i, json!({"clusters": named}))
+        })
+        .collect();
+    apps.extend((0..EVERYWHERE).map(|i| app(APPS + i, json!({"clusterSelector": {}}))));
+    let members: Members = (0..CLUSTERS).map(|c| (name(c), Member::default())).collect();
+    let mut flipped = members.clone();
+    flipped.get_mut(&name(7)).unwrap().not_ready_for = Some(Duration::ZERO);
+    (Fleet(apps), members, flipped)
+}
+
+fn bench(c: &mut Criterion) {
+    let (apps, members, flipped) = fixture();
+    let grants = Grants::default();
+    let now = Instant::now();
+    let members_of = |flip: bool| if flip { &flipped } else { &members };
+
+    let mut planner = Planner::default();
+    let mut first = Count::default();
+    planner.handle(Trigger::Members, &apps, (&members, &grants), now, &mut first);
+    let mut once = Count::default();
+    planner.handle(Trigger::Members, &apps, (&flipped, &grants), now, &mut once);
+    println!(
+        "replan: {} apps planned at first, {} after cluster007 turned NotReady",
+        first.0, once.0
+    );
+
+    let mut group = c.benchmark_group("replan_one_readiness_flip_1000_apps_300_clusters");
+    group.bench_function("baseline_every_app", |b| {
+        let mut flip = false;
+        b.iter(|| {
+            flip = !flip;
+            let mut fx = Count::default();
+            let fresh = (members_of(flip), &grants);
+            Planner::default().handle(Trigger::Members, &apps, fresh, now, &mut fx);
+            black_box(fx.0)
+        })
+    });
+    group.bench_function("incremental", |b| {
+        let mut flip = false;
+        b.iter(|| {
+            flip = !flip;
+            let mut fx = Count::default();
+            let now_members = (members_of(flip), &grants);
+            planner.handle(Trigger::Members, &apps, now_members, now, &mut fx);
+            black_box(fx.0)
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
