@@ -77,7 +77,9 @@ fn fixture() -> (Fleet, Members, Members) {
         })
         .collect();
     apps.extend((0..EVERYWHERE).map(|i| app(APPS + i, json!({"clusterSelector": {}}))));
-    let members: Members = (0..CLUSTERS).map(|c| (name(c), Member::default())).collect();
+    let members: Members = (0..CLUSTERS)
+        .map(|c| (name(c), Member::default()))
+        .collect();
     let mut flipped = members.clone();
     flipped.get_mut(&name(7)).unwrap().not_ready_for = Some(Duration::ZERO);
     (Fleet(apps), members, flipped)
@@ -91,7 +93,13 @@ fn bench(c: &mut Criterion) {
 
     let mut planner = Planner::default();
     let mut first = Count::default();
-    planner.handle(Trigger::Members, &apps, (&members, &grants), now, &mut first);
+    planner.handle(
+        Trigger::Members,
+        &apps,
+        (&members, &grants),
+        now,
+        &mut first,
+    );
     let mut once = Count::default();
     planner.handle(Trigger::Members, &apps, (&flipped, &grants), now, &mut once);
     println!(
