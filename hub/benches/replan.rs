@@ -14,24 +14,13 @@ use flotilla_plan::AppPlan;
 use flotilla_plan::grants::Grants;
 use flotilla_plan::index::Desired;
 use flotilla_plan::placement::{Member, Members};
-use flotilla_plan::planner::{Apps, Effects, Planner, Trigger, key_of};
+use flotilla_plan::planner::{Effects, Planner, Trigger};
 use flotilla_plan::rollout::Observed;
 use serde_json::json;
 
 const CLUSTERS: usize = 300;
 const APPS: usize = 1_000;
 const EVERYWHERE: usize = 10;
-
-struct Fleet(Vec<Arc<FederatedMyApp>>);
-
-impl Apps for Fleet {
-    fn get(&self, key: &AppKey) -> Option<Arc<FederatedMyApp>> {
-        self.0.iter().find(|a| key_of(a) == *key).cloned()
-    }
-    fn all(&self) -> Vec<Arc<FederatedMyApp>> {
-        self.0.clone()
-    }
-}
 
 /// Counts the apps planned; keeps nothing.
 #[derive(Default)]
@@ -68,7 +57,7 @@ fn app(i: usize, placement: serde_json::Value) -> Arc<FederatedMyApp> {
     Arc::new(serde_json::from_value(app).unwrap())
 }
 
-fn fixture() -> (Fleet, Members, Members) {
+fn fixture() -> (Vec<Arc<FederatedMyApp>>, Members, Members) {
     let name = |c: usize| format!("cluster{:03}", c % CLUSTERS);
     let mut apps: Vec<_> = (0..APPS)
         .map(|i| {
@@ -82,7 +71,7 @@ fn fixture() -> (Fleet, Members, Members) {
         .collect();
     let mut flipped = members.clone();
     flipped.get_mut(&name(7)).unwrap().not_ready_for = Some(Duration::ZERO);
-    (Fleet(apps), members, flipped)
+    (apps, members, flipped)
 }
 
 fn bench(c: &mut Criterion) {

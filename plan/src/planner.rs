@@ -77,6 +77,16 @@ pub trait Apps {
     fn all(&self) -> Vec<Arc<FederatedMyApp>>;
 }
 
+/// A fixed list of apps, as tests and benchmarks hold them.
+impl Apps for Vec<Arc<FederatedMyApp>> {
+    fn get(&self, key: &AppKey) -> Option<Arc<FederatedMyApp>> {
+        self.iter().find(|a| key_of(a) == *key).cloned()
+    }
+    fn all(&self) -> Vec<Arc<FederatedMyApp>> {
+        self.clone()
+    }
+}
+
 /// Where plans go: the index (through the hub's dispatcher, which pushes its changes to
 /// agents) and the status board.
 pub trait Effects {
@@ -648,20 +658,9 @@ mod tests {
         }
     }
 
-    struct Many(Vec<Arc<FederatedMyApp>>);
-
-    impl Apps for Many {
-        fn get(&self, key: &AppKey) -> Option<Arc<FederatedMyApp>> {
-            self.0.iter().find(|a| key_of(a) == *key).cloned()
-        }
-        fn all(&self) -> Vec<Arc<FederatedMyApp>> {
-            self.0.clone()
-        }
-    }
-
     /// Apps of every kind of placement: by name (one never registered), by selector,
     /// every cluster, none, a selector that does not parse, a division that may not fit.
-    fn many() -> Many {
+    fn many() -> Vec<Arc<FederatedMyApp>> {
         let placements = [
             "{clusters: [{name: c0}, {name: c2}]}",
             "{clusters: [{name: c5}]}",
@@ -680,7 +679,7 @@ mod tests {
             );
             Arc::new(serde_yaml::from_str::<FederatedMyApp>(&yaml).expect("valid app"))
         });
-        Many(apps.collect())
+        apps.collect()
     }
 
     /// A change to one cluster: registered with these labels, cordon and readiness, or
