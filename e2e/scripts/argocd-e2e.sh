@@ -164,6 +164,22 @@ spec:
       replicas: 1
       image: nginx:1.27
 EOF
+      # Placed on no registered cluster: the hub reports it Stalled, Argo CD Degraded.
+      cat >"$W/git/work/argocd-e2e/federated/stalled.yaml" <<EOF
+apiVersion: core.kubefed.io/v1beta1
+kind: FederatedMyApp
+metadata:
+  name: argocd-e2e-stalled
+  namespace: $FED_NS
+spec:
+  placement:
+    clusters:
+    - name: no-such-cluster
+  template:
+    spec:
+      replicas: 1
+      image: nginx:1.27
+EOF
     fi
     git -C "$W/git/work" add -A
     git -C "$W/git/work" -c user.name=flotilla-e2e -c user.email=e2e@flotilla.invalid \
@@ -191,6 +207,8 @@ EOF
   # Poll git every 30 s (no webhook here).
   hk -n argocd patch cm argocd-cm --type merge \
     -p '{"data":{"cluster.inClusterEnabled":"false","timeout.reconciliation":"30s"}}' >/dev/null
+  # Flotilla's health check for FederatedMyApps, as README tells users to merge it.
+  hk -n argocd patch cm argocd-cm --type merge --patch-file "$ROOT/deploy/argocd/argocd-cm-health.yaml" >/dev/null
   hk apply -f - >/dev/null <<'EOF'
 apiVersion: argoproj.io/v1alpha1
 kind: AppProject
@@ -215,7 +233,7 @@ EOF
     --kubeconfig "$HOST_KC" --namespace argocd \
     --repo-server 127.0.0.1:$((P + 12)) --repo-server-plaintext \
     --redis 127.0.0.1:$((P + 10)) --metrics-port $((P + 14)) \
-    --logformat text
+    --persist-resource-health --logformat text # each resource's health in the Application, read below
   wait_port $((P + 14))
   log "repo-server :$((P + 12)), application-controller (metrics :$((P + 14))), redis :$((P + 10)), git $REPO_URL"
 
@@ -331,6 +349,16 @@ prove() {
     done
     log "FederatedMyApp status (written by the hub): $(hk -n $FED_NS get federatedmyapp argocd-e2e-web -o jsonpath='{.status}' | cut -c1-400)"
     log "cluster1 MyApp: $(kubectl --kubeconfig "$C1_KC" -n $FED_NS get myapps -o jsonpath='{range .items[*]}{.metadata.name} replicas={.spec.replicas} image={.spec.image}{end}')"
+    # deploy/argocd/argocd-cm-health.yaml: Healthy once Ready for the current
+    # generation, Degraded when Stalled (without it Argo CD shows both Healthy).
+    local health want="argocd-e2e-stalled=Degraded argocd-e2e-web=Healthy"
+    for _ in $(seq 1 30); do
+      health=$(hk -n argocd get application $FED_APP -o jsonpath='{range .status.resources[?(@.kind=="FederatedMyApp")]}{.name}={.health.status} {end}')
+      [[ "${health% }" == "$want" ]] && break
+      sleep 2
+    done
+    [[ "${health% }" == "$want" ]] || die "FederatedMyApp health in Argo CD: $health, want $want"
+    log "FederatedMyApp health in Argo CD: $health ($(hk -n argocd get application $FED_APP -o jsonpath='{.status.resources[?(@.name=="argocd-e2e-stalled")].health.message}'))"
   fi
 
   # Stays Synced, no sync loop: no new sync operation while sampling.

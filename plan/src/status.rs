@@ -476,8 +476,9 @@ fn ready(
     }
 }
 
-/// kstatus's abnormal-true pair, so that `kubectl wait`, Flux and Argo CD tell a
-/// finished rollout without a health script of their own. `Stalled`: nothing changes
+/// kstatus's abnormal-true pair, so that `kubectl wait` and Flux tell a finished
+/// rollout without a health script of their own (Argo CD has none for this kind: it
+/// reads them through `deploy/argocd/argocd-cm-health.yaml`). `Stalled`: nothing changes
 /// until the spec or the fleet does (an invalid placement, a template that cannot be
 /// rendered for a cluster, no cluster selected, a rollout halted or paused).
 /// `Reconciling`: otherwise, until every
