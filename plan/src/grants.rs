@@ -21,7 +21,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::ResourceExt;
 use kube::core::SelectorExt;
 
-use crate::placement::{Members, parse_selector};
+use crate::placement::{Labels, Members, parse_selector};
 
 /// One ClusterGrant as planning reads it.
 #[derive(Debug, Clone, PartialEq)]
@@ -124,6 +124,28 @@ impl Grants {
             ));
         }
         Ok(Granted::Only(clusters))
+    }
+
+    /// Whether a grant of `namespace` names the cluster `name` or selects it by one of
+    /// `labels`. Only a cluster that a grant may take changes what the namespace may
+    /// place on when it joins, leaves or is relabelled, down to nothing at all, which
+    /// fails the plan of each of its apps as a whole.
+    pub fn may_take<'a>(
+        &self,
+        namespace: &str,
+        name: &str,
+        labels: impl IntoIterator<Item = &'a Labels> + Clone,
+    ) -> bool {
+        let Some(grants) = self.by_namespace.get(namespace) else {
+            return false;
+        };
+        grants.iter().any(|grant| {
+            let selector = grant.selector.as_ref().map(|s| parse_selector(s, ""));
+            grant.clusters.contains(name)
+                || selector.is_some_and(|s| {
+                    s.is_ok_and(|s| labels.clone().into_iter().any(|l| s.matches(l)))
+                })
+        })
     }
 
     /// The namespaces whose grants differ between `self` and `other`.

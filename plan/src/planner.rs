@@ -16,8 +16,8 @@
 //!   placed, and calls off its deletion: its MyApps are the host's wish again (rule 1).
 //!   Releases (`kubefed.io/orphan`) go on, and the new object waits for them.
 //! - A change of what placement reads of the registered clusters plans the apps it can
-//!   affect (those whose placement takes a moved cluster before or after, and those
-//!   whose plan failed as a whole; every app the first time), then says which clusters
+//!   affect (those whose placement or namespace's grants take a moved cluster before or
+//!   after, and those whose plan failed as a whole; every app the first time), then says which clusters
 //!   every app was planned for (agents are admitted only then). It is looked for at
 //!   every trigger, so that no plan uses clusters the index was not told about; a
 //!   change of capacity alone plans the apps divided by capacity.
@@ -167,6 +167,13 @@ struct Moved<'a> {
     name: &'a str,
     before: Option<&'a Labels>,
     after: Option<&'a Labels>,
+}
+
+impl<'a> Moved<'a> {
+    /// Its labels before and after, where it was registered.
+    fn labels(&self) -> impl Iterator<Item = &'a Labels> + Clone + use<'a> {
+        self.before.into_iter().chain(self.after)
+    }
 }
 
 /// The clusters whose shape differs between `before` and `after` (both in name order).
@@ -327,12 +334,14 @@ impl Planner {
     /// for: a cluster that left is no longer waited for, a new one's agent may be
     /// admitted. Returns the apps it planned.
     ///
-    /// A plan reads the registered clusters only through placement, which takes or
-    /// leaves each cluster on its own ([`crate::placement::place`]); everything after it
-    /// (grants, schedule, render, rollout) reads the placed clusters. So an app is
-    /// affected by a moved cluster only if its placement takes that cluster before or
-    /// after the move ([`may_place`]), or if it could not be planned at all, since such
-    /// a plan keeps every registered cluster ([`AppPlan::placement_error`]).
+    /// A plan reads the registered clusters through placement and through its
+    /// namespace's grants, each of which takes or leaves each cluster on its own
+    /// ([`crate::placement::place`], [`Grants::granted`]); everything after them
+    /// (schedule, render, rollout) reads the placed clusters. So an app is affected by a
+    /// moved cluster only if its placement ([`may_place`]) or a grant of its namespace
+    /// ([`Grants::may_take`]) takes that cluster before or after the move, or if it
+    /// could not be planned at all, since such a plan keeps every registered cluster
+    /// ([`AppPlan::placement_error`]).
     fn plan_for_shape(
         &mut self,
         apps: &impl Apps,
@@ -356,7 +365,10 @@ impl Planner {
             let key = key_of(&app);
             let affected = moved.as_ref().is_none_or(|moved| {
                 self.unplanned.contains(&key)
-                    || moved.iter().any(|m| may_place(&app.spec.placement, m))
+                    || moved.iter().any(|m| {
+                        may_place(&app.spec.placement, m)
+                            || grants.may_take(&key.namespace, m.name, m.labels())
+                    })
             });
             if affected {
                 self.plan_app(&app, (members, grants), now, fx);
@@ -490,6 +502,8 @@ impl Planner {
 mod tests {
     use super::*;
     use crate::rollout::Seen;
+    use flotilla_crds::ClusterGrant;
+    use serde_json::json;
 
     struct One(Arc<FederatedMyApp>);
 
@@ -705,18 +719,39 @@ mod tests {
         }
     }
 
+    /// The grants of the apps' namespace: none (every cluster), one zone's, cluster c1
+    /// by name, or none where one is required (no cluster).
+    fn grants_of(n: u8) -> Grants {
+        let spec = match n {
+            0..3 => {
+                let zone = ["a", "b", "c"][n as usize];
+                json!({"clusterSelector": {"matchLabels": {"zone": zone}}})
+            }
+            3 => json!({"clusters": ["c1"]}),
+            _ => return Grants::new(n == 5, []),
+        };
+        let grant = json!({
+            "apiVersion": "flotilla.io/v1alpha1", "kind": "ClusterGrant",
+            "metadata": {"name": "g", "namespace": "prod"}, "spec": spec,
+        });
+        let grant: ClusterGrant = serde_json::from_value(grant).expect("a ClusterGrant");
+        Grants::new(false, [&grant])
+    }
+
     proptest::proptest! {
         /// After every change of the registered clusters, each app's desired state and
-        /// plan are what planning every app from scratch gives.
+        /// plan are what planning every app from scratch gives, whatever the apps'
+        /// namespace is granted: nothing asked, a zone, a cluster by name, or nothing.
         #[test]
         fn a_member_change_plans_exactly_the_apps_it_can_affect(
             steps in proptest::collection::vec(
                 (0u8..6, proptest::option::of((0u8..3, proptest::bool::ANY, proptest::bool::ANY))),
                 1..25,
-            )
+            ),
+            grant in 0u8..6,
         ) {
             let apps = many();
-            let grants = Grants::default();
+            let grants = grants_of(grant);
             let t0 = Instant::now();
             let mut members = Members::new();
             let (mut planner, mut fx) = (Planner::default(), Recorded::default());
