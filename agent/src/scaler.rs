@@ -283,6 +283,9 @@ impl Scaler {
     }
 
     /// The bounds (with the metric share) on the MyApp `name`; none is warned of once.
+    /// Read live, as the pods are: KEDA asks once per ScaledObject per polling interval
+    /// (30 s by default), and the scaler serves on standby replicas too, where a cache
+    /// would mean a watch of every MyApp and Pod on each replica to save one GET.
     async fn share(&self, namespace: &str, name: &str) -> Result<Option<Bounds>, Status> {
         let app = Api::<MyApp>::namespaced(self.client.clone(), namespace)
             .get(name)

@@ -17,6 +17,9 @@ pub const MAX_ANNOTATION: &str = "flotilla.io/autoscaling-max-replicas";
 /// that fraction of it, so that the clusters together scale once.
 pub const SHARE_ANNOTATION: &str = "flotilla.io/autoscaling-metric-share";
 
+/// The three annotations, in the order [`Bounds::annotations`] gives them.
+pub const ANNOTATIONS: [&str; 3] = [MIN_ANNOTATION, MAX_ANNOTATION, SHARE_ANNOTATION];
+
 /// One cluster's bounds and share. `1 <= min <= max`, `0 < parts <= whole`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Bounds {
@@ -34,10 +37,11 @@ impl Bounds {
 
     /// The three annotations.
     pub fn annotations(&self) -> [(&'static str, String); 3] {
+        let [min, max, share] = ANNOTATIONS;
         [
-            (MIN_ANNOTATION, self.min.to_string()),
-            (MAX_ANNOTATION, self.max.to_string()),
-            (SHARE_ANNOTATION, format!("{}/{}", self.parts, self.whole)),
+            (min, self.min.to_string()),
+            (max, self.max.to_string()),
+            (share, format!("{}/{}", self.parts, self.whole)),
         ]
     }
 

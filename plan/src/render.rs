@@ -205,11 +205,7 @@ pub fn revisioned_hash(myapp: &Value) -> String {
     }
     let annotations = without.pointer_mut("/metadata/annotations");
     if let Some(annotations) = annotations.and_then(Value::as_object_mut) {
-        for key in [
-            bounds::MIN_ANNOTATION,
-            bounds::MAX_ANNOTATION,
-            bounds::SHARE_ANNOTATION,
-        ] {
+        for key in bounds::ANNOTATIONS {
             annotations.remove(key);
         }
     }

@@ -68,6 +68,18 @@ pub(super) fn rename_total(mut e: ScheduleError) -> ScheduleError {
     e
 }
 
+/// The clusters that run the MyApp, each with its maximum (its assignment), and the
+/// sum of those maxima. Failed-over clusters are left out: their copy is left as it is.
+fn running(assignments: &BTreeMap<String, Assignment>) -> (Vec<(&String, u32)>, u32) {
+    let running: Vec<(&String, u32)> = assignments
+        .iter()
+        .filter(|(_, a)| a.replicas > 0 && a.reason != SchedulingReason::FailedOver)
+        .map(|(name, a)| (name, a.replicas))
+        .collect();
+    let whole = running.iter().map(|(_, max)| max).sum();
+    (running, whole)
+}
+
 /// Each cluster's bounds: its assignment (the divided maximum) as `max`, and `min`, the
 /// federation's minimum divided in proportion to the maxima within them, at least one
 /// each. Clusters that run nothing, and failed-over ones (whose copy is left as it is),
@@ -77,12 +89,7 @@ pub fn divide(
     assignments: &BTreeMap<String, Assignment>,
     previous: &BTreeMap<String, u32>,
 ) -> BTreeMap<String, Bounds> {
-    let running: Vec<(&String, u32)> = assignments
-        .iter()
-        .filter(|(_, a)| a.replicas > 0 && a.reason != SchedulingReason::FailedOver)
-        .map(|(name, a)| (name, a.replicas))
-        .collect();
-    let whole: u32 = running.iter().map(|(_, max)| max).sum();
+    let (running, whole) = running(assignments);
     let slots: Vec<Slot> = running
         .iter()
         .map(|(name, max)| Slot {
@@ -120,24 +127,20 @@ pub fn with_held(
     assignments: &BTreeMap<String, Assignment>,
     previous: &BTreeMap<String, u32>,
 ) -> BTreeMap<String, Bounds> {
-    let running = || {
-        assignments
-            .iter()
-            .filter(|(_, a)| a.replicas > 0 && a.reason != SchedulingReason::FailedOver)
-    };
-    let whole: u32 = running().map(|(_, a)| a.replicas).sum();
-    running()
-        .map(|(name, a)| {
+    let (running, whole) = running(assignments);
+    running
+        .into_iter()
+        .map(|(name, max)| {
             let min = target
                 .get(name)
                 .map(|b| b.min)
                 .or_else(|| previous.get(name).copied())
                 .unwrap_or(1)
-                .clamp(1, a.replicas);
+                .clamp(1, max);
             let bounds = Bounds {
                 min,
-                max: a.replicas,
-                parts: a.replicas,
+                max,
+                parts: max,
                 whole,
             };
             (name.clone(), bounds)
