@@ -13,6 +13,8 @@ set -euo pipefail
 
 GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
 MOD="github.com/argoproj/argo-cd/v3"
+# shellcheck source=lib/gomod.sh
+source "$(dirname "$0")/lib/gomod.sh"
 export GOFLAGS=-mod=mod CGO_ENABLED=0
 if [[ -z "${ARGOCD_VERSION:-}" ]]; then
   # The newest v3.x release the proxy lists (pre-releases skipped).
@@ -27,17 +29,8 @@ flock 9
 
 if [[ ! -x "$CACHE/bin/argocd" ]]; then
   start=$(date +%s)
-  gomod=$( ("$GO" mod download -json "$MOD@$ARGOCD_VERSION" || true) | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
-  want=$(sed -n 's/^go \([0-9.]*\)$/\1/p' "$gomod")
-  export GOTOOLCHAIN="${GOTOOLCHAIN_ARGOCD:-go$want+auto}"
-  dir=$("$GO" mod download -json "$MOD@$ARGOCD_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
-  [[ -d "$dir" ]] || { echo "argocd.sh: go mod download gave no directory" >&2; exit 1; }
   src="$CACHE/src"
-  if [[ ! -f "$src/go.mod" ]]; then
-    rm -rf "$src"
-    cp -r "$dir" "$src"
-    chmod -R u+w "$src"
-  fi
+  go_module_source "$MOD" "$ARGOCD_VERSION" "$src"
   # Since v3.6 go.mod replaces the gitops-engine with the nested module
   # ./gitops-engine, which the module zip leaves out: it is its own module on
   # the proxy (tagged gitops-engine/vX.Y.Z), so put that copy where the replace points.

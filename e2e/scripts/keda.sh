@@ -14,27 +14,16 @@ KEDA_VERSION="${KEDA_VERSION:-v2.21.1}"
 GO="${GO:-$(command -v go || echo /usr/local/go/bin/go)}"
 CACHE="${FLOTILLA_KEDA_DIR:-$HOME/.cache/flotilla/keda/$KEDA_VERSION}"
 MOD="github.com/kedacore/keda/v2"
+# shellcheck source=lib/gomod.sh
+source "$(dirname "$0")/lib/gomod.sh"
 
 mkdir -p "$CACHE/bin" "$CACHE/crd"
 export GOFLAGS=-mod=mod CGO_ENABLED=0
 
 if [[ ! -x "$CACHE/bin/keda" || ! -x "$CACHE/bin/keda-adapter" ]]; then
   start=$(date +%s)
-  # A module download leaves go.mod/go.sum and the source read-only in the
-  # module cache; build from a writable copy so `-mod=mod` may touch go.sum.
-  # KEDA's go.mod may ask for a newer Go than the one installed: let the go
-  # command fetch that toolchain (itself a module on the Go proxy).
-  gomod=$( ("$GO" mod download -json "$MOD@$KEDA_VERSION" || true) | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
-  want=$(sed -n 's/^go \([0-9.]*\)$/\1/p' "$gomod")
-  export GOTOOLCHAIN="${GOTOOLCHAIN_KEDA:-go$want+auto}"
-  dir=$("$GO" mod download -json "$MOD@$KEDA_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
-  [[ -d "$dir" ]] || { echo "keda.sh: go mod download gave no directory" >&2; exit 1; }
   src="$CACHE/src"
-  if [[ ! -f "$src/go.mod" ]]; then
-    rm -rf "$src"
-    cp -r "$dir" "$src"
-    chmod -R u+w "$src"
-  fi
+  go_module_source "$MOD" "$KEDA_VERSION" "$src"
   cd "$src"
   ldflags="-s -w -X github.com/kedacore/keda/v2/version.Version=${KEDA_VERSION#v}"
   [[ -x "$CACHE/bin/keda" ]] ||
