@@ -52,6 +52,12 @@ struct Cli {
     scenario: Scenario,
 }
 
+/// `--features mimalloc` measures the hub (`serve hub`) with the allocator the hub's own
+/// feature of that name selects (BENCHMARKS.md, "Allocator").
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();

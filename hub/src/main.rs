@@ -3,6 +3,12 @@ use std::process::ExitCode;
 use clap::Parser;
 use flotilla_hub::cli::{self, Cli, Command};
 
+/// The libc's allocator unless built with `--features mimalloc`: mimalloc spends less CPU
+/// at a million pairs and more memory everywhere (BENCHMARKS.md, "Allocator").
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let Cli {
         log_json,
