@@ -38,14 +38,23 @@ enum Slot {
 /// hash: a fleet connecting at once queues every pair.
 enum Queued {
     Change(Change),
-    SyncComplete(pb::SyncComplete),
+    /// The desired keys as the index held them then, and the collections confirmed.
+    SyncComplete {
+        desired: Vec<Arc<AppKey>>,
+        confirmed: u32,
+    },
     RenewToken(pb::RenewToken),
 }
 
 impl Queued {
     fn into_message(self, slot: Slot) -> pb::HubMessage {
         let kind = match (self, slot) {
-            (Queued::SyncComplete(sync), _) => Kind::SyncComplete(sync),
+            (Queued::SyncComplete { desired, confirmed }, _) => {
+                Kind::SyncComplete(pb::SyncComplete {
+                    desired: desired.iter().map(|k| k.to_wire()).collect(),
+                    confirmed_collection: confirmed,
+                })
+            }
             (Queued::RenewToken(renew), _) => Kind::RenewToken(renew),
             (Queued::Change(Change::Apply(r)), Slot::Object(key)) => Kind::Apply(pb::Apply {
                 key: Some(key.to_wire()),
@@ -420,13 +429,12 @@ impl Dispatcher {
         state.sessions.insert(cluster.to_owned(), queue.clone());
         let (pushes, desired) = state.index.connect(cluster, managed);
         route(&state, pushes);
-        let desired = desired.iter().map(AppKey::to_wire).collect();
         queue.push(
             Slot::SyncComplete,
-            Queued::SyncComplete(pb::SyncComplete {
+            Queued::SyncComplete {
                 desired,
-                confirmed_collection: 0,
-            }),
+                confirmed: 0,
+            },
         );
         Ok(queue)
     }
@@ -438,13 +446,12 @@ impl Dispatcher {
         let Some(queue) = state.sessions.get(cluster) else {
             return false;
         };
-        let desired = state.index.desired_keys(cluster);
         queue.push(
             Slot::SyncComplete,
-            Queued::SyncComplete(pb::SyncComplete {
-                desired: desired.iter().map(AppKey::to_wire).collect(),
-                confirmed_collection: confirmed,
-            }),
+            Queued::SyncComplete {
+                desired: state.index.desired_shared(cluster),
+                confirmed,
+            },
         );
         true
     }
@@ -676,6 +683,45 @@ mod tests {
             "a replaced session's late report"
         );
         assert!(d.report(&q1b, &a, Held::Present));
+    }
+
+    /// A SyncComplete is the index's desired keys when it was queued, in order, built
+    /// into wire keys only when sent; a resync carries the confirmed collections.
+    #[tokio::test]
+    async fn a_sync_complete_lists_the_desired_keys_as_they_were_when_queued() {
+        let d = Dispatcher::default();
+        for name in ["b", "a"] {
+            let desired = [("c1".to_owned(), apply("h"))].into();
+            d.set_app(&AppKey::new("ns", name), None, desired);
+        }
+        let sync = |m: &pb::HubMessage| match m.kind.as_ref() {
+            Some(Kind::SyncComplete(s)) => Some(s.clone()),
+            _ => None,
+        };
+        let q = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        d.set_app(
+            &AppKey::new("ns", "c"),
+            None,
+            [("c1".to_owned(), apply("h"))].into(),
+        );
+        let sent: Vec<pb::SyncComplete> = q.next_batch(100).await.iter().filter_map(sync).collect();
+        let names = |s: &pb::SyncComplete| -> Vec<String> {
+            s.desired
+                .iter()
+                .map(|k| format!("{}/{}", k.namespace, k.name))
+                .collect()
+        };
+        assert_eq!(sent.len(), 1);
+        assert_eq!(
+            names(&sent[0]),
+            ["ns/a", "ns/b"],
+            "the keys when it was queued"
+        );
+        assert_eq!(sent[0].confirmed_collection, 0);
+        assert!(d.resync("c1", 3));
+        let sent: Vec<pb::SyncComplete> = q.next_batch(100).await.iter().filter_map(sync).collect();
+        assert_eq!(names(&sent[0]), ["ns/a", "ns/b", "ns/c"]);
+        assert_eq!(sent[0].confirmed_collection, 3);
     }
 
     /// Review H1: keys a Hello only claims never reach the status board.

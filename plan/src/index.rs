@@ -411,24 +411,25 @@ impl Index {
         &mut self,
         cluster: &str,
         managed: &HashMap<AppKey, String>,
-    ) -> (Vec<Push>, Vec<AppKey>) {
+    ) -> (Vec<Push>, Vec<Arc<AppKey>>) {
         let held = managed
             .keys()
             .map(|key| self.desired.shared_key(cluster, key))
             .collect();
         self.present.insert(cluster.to_owned(), held);
         let mut pushes = Vec::new();
-        let keys = self.desired_keys(cluster);
+        let keys = self.desired_shared(cluster);
         if let Some(desired) = self.desired.get(cluster) {
             for key in &keys {
-                match (&desired[key], managed.get(key)) {
+                match (&desired[key], managed.get(&**key)) {
                     (Desired::Apply(r), hash) if hash != Some(&r.hash) => {
-                        pushes.push((cluster.to_owned(), key.clone(), Change::Apply(r.clone())));
+                        let apply = Change::Apply(r.clone());
+                        pushes.push((cluster.to_owned(), AppKey::clone(key), apply));
                     }
                     (Desired::Release, Some(_)) => {
                         pushes.push((
                             cluster.to_owned(),
-                            key.clone(),
+                            AppKey::clone(key),
                             Change::Delete { orphan: true },
                         ));
                     }
@@ -443,7 +444,7 @@ impl Index {
             }
             if !managed.contains_key(key) {
                 gone.push(key.clone());
-            } else if !keys.contains(key) {
+            } else if keys.binary_search_by(|k| (**k).cmp(key)).is_err() {
                 // A deletion the agent still holds is sent as an explicit Delete: it is
                 // the host's word for that object, not a collection for the circuit
                 // breaker to hold back.
@@ -465,15 +466,21 @@ impl Index {
         (pushes, keys)
     }
 
-    /// The keys the cluster should have, for a SyncComplete.
-    pub fn desired_keys(&self, cluster: &str) -> Vec<AppKey> {
-        let mut keys: Vec<AppKey> = self
-            .desired
-            .get(cluster)
-            .map(|d| d.keys().map(|k| AppKey::clone(k)).collect())
+    /// The keys the cluster should have, for a SyncComplete, in order: the index's own
+    /// handles, so that the SyncCompletes of a fleet connecting at once hold one pointer
+    /// per key while they wait behind the Applies, not a copy of each.
+    pub fn desired_shared(&self, cluster: &str) -> Vec<Arc<AppKey>> {
+        let mut keys: Vec<Arc<AppKey>> = (self.desired.get(cluster))
+            .map(|d| d.keys().cloned().collect())
             .unwrap_or_default();
         keys.sort();
         keys
+    }
+
+    /// [`Self::desired_shared`], copied.
+    pub fn desired_keys(&self, cluster: &str) -> Vec<AppKey> {
+        let keys = self.desired_shared(cluster).into_iter();
+        keys.map(|k| AppKey::clone(&k)).collect()
     }
 
     /// The agent went away: what it holds is unknown until it says Hello again.
@@ -651,7 +658,11 @@ mod tests {
         assert_eq!(kinds(&pushes), [t("c2", "a", "delete orphan=false")]);
         let (pushes, keys) = ix.connect("c1", &hello(&[("a", "old")]));
         assert!(pushes.is_empty(), "Keep leaves the member's copy alone");
-        assert_eq!(keys, [key("a")], "and protects it from orphan collection");
+        assert_eq!(
+            keys,
+            [key("a").into()],
+            "and protects it from orphan collection"
+        );
     }
 
     #[test]
@@ -670,7 +681,7 @@ mod tests {
         );
         assert_eq!(
             keys,
-            [key("a"), key("b"), key("c")],
+            [key("a").into(), key("b").into(), key("c").into()],
             "zombie is left to orphan collection"
         );
     }
@@ -752,7 +763,7 @@ mod tests {
         assert_eq!(kinds(&pushes), [t("c2", "a", "delete orphan=true")]);
         assert_eq!(
             keys,
-            [key("a")],
+            [key("a").into()],
             "listed as desired, so c2 does not collect it"
         );
         ix.report("c1", &key("a"), Held::Absent);

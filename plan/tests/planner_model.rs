@@ -577,6 +577,7 @@ impl Model {
             .collect();
         let (pushes, desired) = self.hub.index.connect(&name, &managed);
         self.route(pushes, From::Agent)?;
+        let desired = desired.iter().map(|k| AppKey::clone(k)).collect();
         self.agents[c as usize].push(None, Message::SyncComplete(desired));
         Ok(())
     }
