@@ -60,6 +60,9 @@ use super::{Report, cell, round};
 
 const CERT_VAR: &str = "FLOTILLA_BENCH_CERT_PEM";
 const KEY_VAR: &str = "FLOTILLA_BENCH_KEY_PEM";
+/// A command the hub's child runs under, e.g. `heaptrack` to trace its allocations
+/// during the fan-out (its peak RSS and CPU are then the wrapper's, not to be recorded).
+const HUB_WRAPPER_VAR: &str = "FLOTILLA_BENCH_HUB_WRAPPER";
 /// How long a server may take to plan everything before it listens (1M pairs included).
 const SETUP_TIMEOUT: Duration = Duration::from_secs(1800);
 
@@ -455,7 +458,20 @@ impl Child {
         tls: &flotilla_common::tls::SelfSigned,
     ) -> Result<Child> {
         let exe = std::env::current_exe().context("locating this binary")?;
-        let mut child = tokio::process::Command::new(exe)
+        let wrapper = (role == Role::Hub)
+            .then(|| std::env::var(HUB_WRAPPER_VAR).ok())
+            .flatten()
+            .filter(|w| !w.is_empty());
+        let wrapped = wrapper.is_some();
+        let mut command = match wrapper {
+            Some(wrapper) => {
+                let mut command = tokio::process::Command::new(wrapper);
+                command.arg(exe);
+                command
+            }
+            None => tokio::process::Command::new(exe),
+        };
+        let mut child = command
             .args(["serve", role.as_str()])
             .args(size.args())
             .env(CERT_VAR, &tls.cert_pem)
@@ -470,10 +486,19 @@ impl Child {
         let stdin = child.stdin.take();
         let stdout = child.stdout.take().context("no stdout")?;
         let mut lines = BufReader::new(stdout).lines();
-        let line = tokio::time::timeout(SETUP_TIMEOUT, lines.next_line())
-            .await
-            .context("the bench server did not get ready")??
-            .with_context(|| format!("the {} server exited before it was ready", role.as_str()))?;
+        let line = tokio::time::timeout(SETUP_TIMEOUT, async {
+            loop {
+                let line = lines.next_line().await?;
+                match line {
+                    // What a wrapper prints of its own goes to stderr.
+                    Some(line) if wrapped && !line.starts_with("ready ") => eprintln!("{line}"),
+                    line => return Ok::<_, std::io::Error>(line),
+                }
+            }
+        })
+        .await
+        .context("the bench server did not get ready")??
+        .with_context(|| format!("the {} server exited before it was ready", role.as_str()))?;
         let mut words = line.split_whitespace();
         let (Some("ready"), Some(addr), Some(setup)) = (words.next(), words.next(), words.next())
         else {
