@@ -17,10 +17,10 @@
 //!   Releases (`kubefed.io/orphan`) go on, and the new object waits for them.
 //! - A change of what placement reads of the registered clusters plans the apps it can
 //!   affect (those whose placement or namespace's grants take a moved cluster before or
-//!   after, and those whose plan failed as a whole; every app the first time), then says which clusters
-//!   every app was planned for (agents are admitted only then). It is looked for at
-//!   every trigger, so that no plan uses clusters the index was not told about; a
-//!   change of capacity alone plans the apps divided by capacity.
+//!   after, and those whose plan failed as a whole; every app the first time), then
+//!   says which clusters every app was planned for (agents are admitted only then). It
+//!   is looked for at every trigger, so that no plan uses clusters the index was not
+//!   told about; a change of capacity alone plans the apps divided by capacity.
 //! - A change of the ClusterGrants plans every app of each namespace whose grants
 //!   changed, with the clusters of the same snapshot. It too is looked for at every
 //!   trigger, so that no plan uses grants other than the latest the hub listed. A grant
