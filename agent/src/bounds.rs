@@ -21,12 +21,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use flotilla_crds::MyApp;
 use flotilla_crds::bounds::Bounds;
 use futures::StreamExt;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use kube::api::{ApiResource, DynamicObject, Patch, PatchParams};
-use kube::runtime::reflector::Store;
 use kube::{Api, Client, ResourceExt};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -38,7 +36,7 @@ use tokio_util::time::DelayQueue;
 use tracing::{debug, info, warn};
 
 use crate::autoscale::Autoscalers;
-use crate::cache::{self, Key, Managed, is_managed};
+use crate::cache::{Key, Managed, Stores, is_managed};
 use crate::scaler::Scope;
 
 /// The field manager of the bounds: the agent's other managers never own them.
@@ -192,7 +190,7 @@ pub async fn run(
 ) {
     let mut apps = managed.changes.subscribe();
     let mut scaled = autoscalers.subscribe();
-    if managed.listed.wait().await.is_err() || autoscalers.listed.wait().await.is_err() {
+    if managed.listed().await.is_err() || autoscalers.listed.wait().await.is_err() {
         return;
     }
     let bounder = Bounder {
@@ -206,7 +204,7 @@ pub async fn run(
     let mut retries = DelayQueue::new();
     let mut resync = tokio::time::interval(RESYNC);
     resync.tick().await;
-    let mut due = cache::keys(&bounder.store);
+    let mut due = bounder.store.keys();
     loop {
         for key in due.drain(..) {
             if let Err(e) = bounder.bound(&key, &mut said).await {
@@ -226,7 +224,7 @@ pub async fn run(
             Err(RecvError::Lagged(_)) => {
                 // What is in place is read again.
                 said.retain(|_, s| !matches!(s, Said::Set(..)));
-                due = cache::keys(&bounder.store);
+                due = bounder.store.keys();
             }
             Err(RecvError::Closed) => return,
         }
@@ -235,7 +233,7 @@ pub async fn run(
 
 struct Bounder {
     client: Client,
-    store: Store<MyApp>,
+    store: Stores,
     autoscalers: Autoscalers,
     scope: Scope,
     written: Written,
@@ -244,7 +242,9 @@ struct Bounder {
 impl Bounder {
     /// Sets the bounds of the MyApp at `key` on its autoscaler, if it has both.
     async fn bound(&self, key: &Key, said: &mut HashMap<Key, Said>) -> anyhow::Result<()> {
-        let Some(app) = cache::get(&self.store, key)
+        let Some(app) = self
+            .store
+            .get(key)
             .filter(|app| is_managed(app) && app.metadata.deletion_timestamp.is_none())
         else {
             said.remove(key);
@@ -448,7 +448,7 @@ mod tests {
         writer.apply_watcher_event(&Event::InitDone);
         Bounder {
             client: crate::unreachable_client(),
-            store,
+            store: Stores::all(store),
             autoscalers: crate::no_autoscalers(),
             scope,
             written: Written::default(),

@@ -4,8 +4,15 @@
 //! feed of the keys that changed, for the reports) and the operator's cache of all
 //! MyApps. A cache never decides a deletion on its own: Hello lists the apiserver, and a
 //! delete reads it again on a miss (see `sync`).
+//!
+//! An agent with `--allowed-namespace` watches only those namespaces, so that
+//! RoleBindings there give it what it reads: a reflector per namespace ([`Stores`]),
+//! since one store fed by several watches is emptied by each one's re-list.
 
-use flotilla_common::listed::{self, Listed};
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use flotilla_common::listed::{self, Listed, NeverListed};
 use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
 pub use flotilla_proto::AppKey as Key;
 use futures::{Stream, StreamExt};
@@ -33,14 +40,32 @@ pub fn key_of(app: &impl ResourceExt) -> Key {
     key(app.namespace(), &app.name_any())
 }
 
-/// The key of every MyApp in `store`.
-pub fn keys(store: &Store<MyApp>) -> Vec<Key> {
-    store.state().iter().map(|app| key_of(&**app)).collect()
-}
+/// A cache of MyApps: one store for every namespace, or one per namespace watched.
+#[derive(Clone)]
+pub struct Stores(Arc<[(Option<String>, Store<MyApp>)]>);
 
-/// The MyApp at `key` in `store`.
-pub fn get(store: &Store<MyApp>, key: &Key) -> Option<std::sync::Arc<MyApp>> {
-    store.get(&ObjectRef::new(&key.name).within(&key.namespace))
+impl Stores {
+    /// One store of every namespace.
+    pub fn all(store: Store<MyApp>) -> Self {
+        Self(Arc::new([(None, store)]))
+    }
+
+    /// The MyApp at `key`, if cached.
+    pub fn get(&self, key: &Key) -> Option<Arc<MyApp>> {
+        let (_, store) = (self.0.iter())
+            .find(|(namespace, _)| namespace.as_ref().is_none_or(|n| *n == key.namespace))?;
+        store.get(&ObjectRef::new(&key.name).within(&key.namespace))
+    }
+
+    /// Every cached MyApp.
+    pub fn state(&self) -> Vec<Arc<MyApp>> {
+        self.0.iter().flat_map(|(_, store)| store.state()).collect()
+    }
+
+    /// The key of every cached MyApp.
+    pub fn keys(&self) -> Vec<Key> {
+        self.state().iter().map(|app| key_of(&**app)).collect()
+    }
 }
 
 /// The applied content hash of a managed MyApp.
@@ -103,45 +128,73 @@ where
 /// The MyApps this agent manages, cached, with a feed of the keys that changed.
 #[derive(Clone)]
 pub struct Managed {
-    pub store: Store<MyApp>,
-    pub listed: Listed,
+    pub store: Stores,
+    listed: Vec<Listed>,
     pub changes: broadcast::Sender<Key>,
 }
 
-/// Watches managed MyApps in every namespace; the future runs the watch.
-pub fn watch_managed(client: Client) -> (Managed, impl std::future::Future<Output = ()>) {
-    let (store, writer) = reflector::store::<MyApp>();
-    let (changes, _) = broadcast::channel(1024);
-    let config =
-        watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
-    let (stream, listed) = listed::track(
-        reflect(
-            writer,
-            watcher(Api::<MyApp>::all(client), config).modify(note_drift),
-        )
-        .default_backoff(),
-    );
-    let stream = stream.touched_objects();
-    let feed = changes.clone();
-    let run = async move {
-        let mut stream = std::pin::pin!(stream);
-        while let Some(event) = stream.next().await {
-            match event {
-                Ok(app) => {
-                    let _ = feed.send(key_of(&app));
-                }
-                Err(e) => warn!(error = %e, "watching managed MyApps"),
-            }
+impl Managed {
+    /// Resolves once every namespace watched has been listed.
+    pub async fn listed(&self) -> Result<(), NeverListed> {
+        for listed in &self.listed {
+            listed.wait().await?;
         }
+        Ok(())
+    }
+}
+
+/// The selector of the MyApps Flotilla manages.
+pub fn managed_selector() -> String {
+    format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}")
+}
+
+/// Watches managed MyApps in `scope`'s namespaces, or in every namespace without one;
+/// the future runs the watches.
+pub fn watch_managed(
+    client: Client,
+    scope: Option<&BTreeSet<String>>,
+) -> (Managed, impl std::future::Future<Output = ()> + use<>) {
+    let (changes, _) = broadcast::channel(1024);
+    let apis: Vec<(Option<String>, Api<MyApp>)> = match scope {
+        None => vec![(None, Api::all(client))],
+        Some(namespaces) => (namespaces.iter())
+            .map(|n| (Some(n.clone()), Api::namespaced(client.clone(), n)))
+            .collect(),
     };
-    (
-        Managed {
-            store,
-            listed,
-            changes,
-        },
-        run,
-    )
+    let mut stores = Vec::new();
+    let mut listed = Vec::new();
+    let mut runs = Vec::new();
+    for (namespace, api) in apis {
+        let (store, writer) = reflector::store::<MyApp>();
+        let config = watcher::Config::default().labels(&managed_selector());
+        let (stream, done) = listed::track(
+            reflect(writer, watcher(api, config).modify(note_drift)).default_backoff(),
+        );
+        let stream = stream.touched_objects();
+        let feed = changes.clone();
+        runs.push(async move {
+            let mut stream = std::pin::pin!(stream);
+            while let Some(event) = stream.next().await {
+                match event {
+                    Ok(app) => {
+                        let _ = feed.send(key_of(&app));
+                    }
+                    Err(e) => warn!(error = %e, "watching managed MyApps"),
+                }
+            }
+        });
+        stores.push((namespace, store));
+        listed.push(done);
+    }
+    let run = async move {
+        futures::future::join_all(runs).await;
+    };
+    let managed = Managed {
+        store: Stores(stores.into()),
+        listed,
+        changes,
+    };
+    (managed, run)
 }
 
 #[cfg(test)]
@@ -208,7 +261,9 @@ mod tests {
             Ok(watcher::Event::InitDone),
         ]);
         reflect(writer, events).for_each(|_| async {}).await;
-        let cached = get(&store, &Key::new("ns", "a")).expect("cached");
+        let cached = Stores::all(store)
+            .get(&Key::new("ns", "a"))
+            .expect("cached");
         assert_eq!(cached.metadata.managed_fields, None);
         assert!(!cached.annotations().contains_key(LAST_APPLIED));
         assert!(is_managed(&cached));

@@ -11,10 +11,9 @@ use std::collections::HashSet;
 
 use flotilla_crds::{CONFIRM_COLLECTION_ANNOTATION, MyApp};
 use flotilla_proto::v1 as pb;
-use kube::runtime::reflector::Store;
 use tracing::{info, warn};
 
-use crate::cache::{Key, key_of};
+use crate::cache::{Key, Stores, key_of};
 
 /// What the breaker allows: the share of a session's listed MyApps one SyncComplete may
 /// take without a confirmation.
@@ -67,7 +66,7 @@ pub enum Collection {
 /// The collection of one session.
 pub struct Collector {
     pub cluster: String,
-    pub managed: Store<MyApp>,
+    pub managed: Stores,
     pub breaker: Breaker,
 }
 

@@ -10,14 +10,13 @@ use std::time::Duration;
 
 use flotilla_crds::MyApp;
 use futures::StreamExt;
-use kube::runtime::reflector::Store;
 use kube::{Api, Client, ResourceExt};
 use tokio::sync::broadcast::error::RecvError;
 use tokio_util::time::DelayQueue;
 use tracing::{info, warn};
 
 use crate::autoscale::{Autoscalers, Target};
-use crate::cache::{self, Key, Managed, is_managed};
+use crate::cache::{Key, Managed, Stores, is_managed};
 use crate::replicas;
 use crate::sync::FIELD_MANAGER;
 
@@ -27,11 +26,11 @@ pub const RETRY: Duration = Duration::from_secs(5);
 pub async fn run(client: Client, managed: Managed, autoscalers: Autoscalers) {
     let mut apps = managed.changes.subscribe();
     let mut scaled = autoscalers.subscribe();
-    if managed.listed.wait().await.is_err() || autoscalers.listed.wait().await.is_err() {
+    if managed.listed().await.is_err() || autoscalers.listed.wait().await.is_err() {
         return;
     }
     let mut retries = DelayQueue::new();
-    let mut due = cache::keys(&managed.store);
+    let mut due = managed.store.keys();
     loop {
         for key in due.drain(..) {
             if let Err(e) = give_back(&client, &managed.store, &autoscalers, &key).await {
@@ -46,7 +45,7 @@ pub async fn run(client: Client, managed: Managed, autoscalers: Autoscalers) {
         };
         match next {
             Ok(key) => due.push(key),
-            Err(RecvError::Lagged(_)) => due = cache::keys(&managed.store),
+            Err(RecvError::Lagged(_)) => due = managed.store.keys(),
             Err(RecvError::Closed) => return,
         }
     }
@@ -60,11 +59,11 @@ fn scales_the_myapp(autoscaler: Option<crate::autoscale::Autoscaler>) -> bool {
 
 async fn give_back(
     client: &Client,
-    store: &Store<MyApp>,
+    store: &Stores,
     autoscalers: &Autoscalers,
     key: &Key,
 ) -> Result<(), kube::Error> {
-    let Some(app) = cache::get(store, key).filter(|app| is_managed(app)) else {
+    let Some(app) = store.get(key).filter(|app| is_managed(app)) else {
         return Ok(());
     };
     let Some(assigned) = replicas::assigned(&*app) else {

@@ -54,7 +54,7 @@ fn no_autoscalers() -> autoscale::Autoscalers {
 
 /// A listed cache holding managed MyApps `ns/<name>` for each of `names`.
 #[cfg(test)]
-fn store_of(names: &[&str]) -> kube::runtime::reflector::Store<flotilla_crds::MyApp> {
+fn store_of(names: &[&str]) -> cache::Stores {
     use flotilla_crds::{MANAGED_BY_LABEL, MANAGED_BY_VALUE};
     use kube::runtime::watcher::Event;
     let (store, mut writer) = kube::runtime::reflector::store();
@@ -70,5 +70,5 @@ fn store_of(names: &[&str]) -> kube::runtime::reflector::Store<flotilla_crds::My
         writer.apply_watcher_event(&Event::InitApply(app));
     }
     writer.apply_watcher_event(&Event::InitDone);
-    store
+    cache::Stores::all(store)
 }

@@ -11,11 +11,10 @@ use std::time::Duration;
 use flotilla_crds::MyApp;
 use flotilla_proto::WireKey;
 use flotilla_proto::v1::{self as pb, agent_message};
-use kube::runtime::reflector::Store;
 use tokio::sync::{broadcast, mpsc};
 
 use crate::autoscale::{Autoscaler, Autoscalers};
-use crate::cache::{self, Key, applied_hash, is_managed};
+use crate::cache::{self, Key, Stores, applied_hash, is_managed};
 use crate::capacity;
 
 /// What the session's work tells the report loop.
@@ -38,7 +37,7 @@ fn agent(kind: agent_message::Kind) -> pb::AgentMessage {
 
 /// The reports of one session, sent on `tx` until it closes (see the module's header).
 pub async fn report_loop(
-    store: Store<MyApp>,
+    store: Stores,
     autoscalers: Autoscalers,
     [mut changes, mut scaled]: [broadcast::Receiver<Key>; 2],
     mut notices: mpsc::UnboundedReceiver<Notice>,
@@ -76,7 +75,7 @@ pub async fn report_loop(
 /// What the hub heard last of each MyApp, and which reports are due. The changing
 /// methods return true (the loop goes on).
 struct Reports {
-    store: Store<MyApp>,
+    store: Stores,
     autoscalers: Autoscalers,
     sent: HashMap<Key, pb::StatusReport>,
     /// The error of each MyApp whose latest request keeps failing.
@@ -88,7 +87,7 @@ struct Reports {
 }
 
 impl Reports {
-    fn new(store: Store<MyApp>, autoscalers: Autoscalers) -> Self {
+    fn new(store: Stores, autoscalers: Autoscalers) -> Self {
         let mut reports = Reports {
             store,
             autoscalers,
@@ -132,7 +131,7 @@ impl Reports {
             Some(error) => self.errors.insert(key.clone(), error),
             None => self.errors.remove(&key),
         };
-        if applied && cache::get(&self.store, &key).is_none() {
+        if applied && self.store.get(&key).is_none() {
             return true;
         }
         self.forced.insert(key.clone());
@@ -143,7 +142,7 @@ impl Reports {
     fn take(&mut self) -> Vec<pb::StatusReport> {
         let mut out = Vec::new();
         for key in std::mem::take(&mut self.due) {
-            let app = cache::get(&self.store, &key);
+            let app = self.store.get(&key);
             let autoscaler = self.autoscalers.of(&key);
             let mut report = status_report(&key, app.as_deref(), autoscaler.as_ref());
             if let Some(error) = self.errors.get(&key) {
@@ -309,7 +308,7 @@ mod tests {
     async fn an_apply_the_cache_does_not_show_yet_is_not_reported_gone() {
         let (store, mut writer) = kube::runtime::reflector::store::<MyApp>();
         writer.apply_watcher_event(&kube::runtime::watcher::Event::InitDone);
-        let mut reports = Reports::new(store, crate::no_autoscalers());
+        let mut reports = Reports::new(Stores::all(store.clone()), crate::no_autoscalers());
         assert!(reports.take().is_empty());
         reports.tried(key(), None, true);
         assert!(

@@ -215,7 +215,7 @@ async fn hub_session(
     stop: CancellationToken,
 ) {
     let Some(session) = session else { return };
-    let (managed, watch) = cache::watch_managed(client.clone());
+    let (managed, watch) = cache::watch_managed(client.clone(), session.guard.policy().allowed());
     let (capacity, capacity_watch) = match session.capacity_interval {
         Some(_) => {
             let (source, watch) = capacity::watch(client.clone());

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
-use flotilla_crds::{MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
+use flotilla_crds::MyApp;
 use flotilla_proto::WireKey;
 use flotilla_proto::client::{self, Dial, DialError, HubClient};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::autoscale::Autoscalers;
-use crate::cache::{Key, Managed, applied_hash, key_of};
+use crate::cache::{self, Key, Managed, applied_hash, key_of};
 use crate::collect::{Breaker, Collector};
 use crate::sync::{self, Applier};
 use crate::tenancy::Guard;
@@ -167,7 +167,7 @@ async fn one_session(
     applier: &Applier,
 ) -> Result<(), SessionError> {
     let mut hub = dial(client, config).await?;
-    let _ = managed.listed.wait().await;
+    let _ = managed.listed().await;
     // Nothing is applied before the autoscalers are known: it could take their replicas.
     let _ = autoscalers.listed.wait().await;
     // Subscribed before the list in Hello, so that no change falls between them.
@@ -272,7 +272,9 @@ async fn dial(client: &Client, config: &SessionConfig) -> Result<HubClient, Sess
 }
 
 /// Hello, and the keys it lists: every managed MyApp as the apiserver has it now (not
-/// the cache), so that the hub takes nothing for absent that exists.
+/// the cache), so that the hub takes nothing for absent that exists. With
+/// `--allowed-namespace`, the MyApps of those namespaces, and Hello says so: the hub
+/// then takes no word of this agent's on any other namespace.
 async fn hello(
     client: &Client,
     config: &SessionConfig,
@@ -282,12 +284,18 @@ async fn hello(
         .await
         .map(|v| v.git_version)
         .unwrap_or_default();
-    let params = ListParams::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"));
-    let listed = Api::<MyApp>::all(client.clone())
-        .list(&params)
-        .await
-        .map_err(SessionError::List)?
-        .items;
+    let params = ListParams::default().labels(&cache::managed_selector());
+    let scope = config.guard.policy().allowed();
+    let apis: Vec<Api<MyApp>> = match scope {
+        None => vec![Api::all(client.clone())],
+        Some(namespaces) => (namespaces.iter())
+            .map(|n| Api::namespaced(client.clone(), n))
+            .collect(),
+    };
+    let mut listed = Vec::new();
+    for api in apis {
+        listed.extend(api.list(&params).await.map_err(SessionError::List)?.items);
+    }
     let hello = pb::Hello {
         cluster: config.cluster.clone(),
         agent_version: env!("CARGO_PKG_VERSION").into(),
@@ -307,6 +315,7 @@ async fn hello(
         cluster_uid: identity::cluster_uid(client).await,
         cluster_id: identity::cluster_id(client).await?.unwrap_or_default(),
         renews_token: true,
+        scope: scope.into_iter().flatten().cloned().collect(),
     };
     Ok((hello, listed.iter().map(key_of).collect()))
 }

@@ -20,14 +20,13 @@ use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
 use futures::stream::FuturesUnordered;
 use futures::{Stream, StreamExt};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
-use kube::runtime::reflector::Store;
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
 use crate::autoscale::{Autoscalers, Target};
-use crate::cache::{self, Key, is_managed};
+use crate::cache::{Key, Stores, is_managed};
 use crate::collect::{Collection, Collector};
 use crate::queue::{Failed, KeyedQueue, retry_backoff};
 use crate::replicas;
@@ -141,14 +140,14 @@ pub enum SyncError {
 pub struct Applier {
     client: Client,
     /// MyApps carrying the managed-by label, kept by the agent's reflector.
-    managed: Store<MyApp>,
+    managed: Stores,
     autoscalers: Autoscalers,
     /// The namespaces never applied into (the default policy unless told otherwise).
     guard: Guard,
 }
 
 impl Applier {
-    pub fn new(client: Client, managed: Store<MyApp>, autoscalers: Autoscalers) -> Self {
+    pub fn new(client: Client, managed: Stores, autoscalers: Autoscalers) -> Self {
         Self {
             client,
             managed,
@@ -227,7 +226,7 @@ impl Applier {
             )));
         }
         let api = self.api(&key.namespace);
-        if cache::get(&self.managed, key).is_none() {
+        if self.managed.get(key).is_none() {
             // Not one of ours (as far as the cache knows): make sure no one else's is there.
             match api.get_opt(&key.name).await {
                 Ok(Some(existing)) if !is_managed(&existing) => {
@@ -273,7 +272,9 @@ impl Applier {
             // The cache may not show yet an autoscaler that just scaled it: look again
             // before overwriting replicas someone else set (a LIST: not on every change
             // of the federation's own, where it doubled the propagation latency).
-            None if cache::get(&self.managed, key)
+            None if self
+                .managed
+                .get(key)
                 .is_some_and(|app| replicas::set_by_someone_else(&app, assigned)) =>
             {
                 let fresh = self.autoscalers.of_fresh(key).await;
@@ -303,7 +304,7 @@ impl Applier {
     /// The managed MyApp at `key`, from the cache or, on a miss or when `fresh`, from
     /// the apiserver: a MyApp applied a moment ago may not have reached the cache yet.
     async fn find_managed(&self, key: &Key, fresh: bool) -> Result<Option<Arc<MyApp>>, SyncError> {
-        if !fresh && let Some(app) = cache::get(&self.managed, key) {
+        if !fresh && let Some(app) = self.managed.get(key) {
             return Ok(Some(app));
         }
         match self.api(&key.namespace).get_opt(&key.name).await {

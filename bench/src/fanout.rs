@@ -590,6 +590,8 @@ async fn agent(
         cluster_id: String::new(),
         // Simulated agents store no renewed token.
         renews_token: false,
+        // Every namespace.
+        scope: Vec::new(),
     };
     // Like an agent, retry a session the hub refused or dropped while opening it (seen
     // under heavy load: the connection broke before the response headers).

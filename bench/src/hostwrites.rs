@@ -92,6 +92,7 @@ async fn sim_agent(f: Arc<Federation>, cluster: String, mut cmds: mpsc::Receiver
                 })
                 .collect(),
             cluster_uid: format!("uid-{cluster}"),
+            scope: Vec::new(),
             cluster_id: String::new(),
             // Simulated agents store no renewed token.
             renews_token: false,

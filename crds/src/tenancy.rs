@@ -109,6 +109,11 @@ impl NamespacePolicy {
         }
     }
 
+    /// The only namespaces allowed, when the policy names them.
+    pub fn allowed(&self) -> Option<&BTreeSet<String>> {
+        self.allowed.as_ref()
+    }
+
     /// Allows only `namespaces` (the forbidden ones stay forbidden); none named: every
     /// namespace that is not forbidden.
     pub fn allowing_only<S: AsRef<str>>(self, namespaces: impl IntoIterator<Item = S>) -> Self {

@@ -669,3 +669,96 @@ async fn a_hub_that_requires_grants_places_an_ungranted_namespace_nowhere() -> R
         .map(|m| (m.to_string(), format!("{namespace}/{name}")));
     log.assert_clean(&deleted.collect())
 }
+
+/// Issue 20: an agent started with `--allowed-namespace` lists and watches only those
+/// namespaces, and its Hello says so. A MyApp placed earlier in another namespace is then
+/// unknown to it, not gone: deleting its FederatedMyApp waits (the finalizer stays, and
+/// the Propagated condition names the scope), and the member's copy keeps running. Once
+/// the agent covers the namespace again, the deletion completes and deletes that copy,
+/// and nothing else.
+#[tokio::test]
+async fn an_agent_narrowed_to_some_namespaces_confirms_no_deletion_outside_them() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let env = Env::load_ready().await?;
+    let f = federation::Federation::load(&env)?;
+    let host = env.client(env.host()).await?;
+    let log = DeletionLog::start(&env).await?;
+    let member = env.members()[0].to_owned();
+    let agent = federation::agent_name(&member);
+    let (scope, name) = ("scope-e2e", "scope-probe");
+    let member_client = env.client(&member).await?;
+    create_namespace(&member_client, scope).await?;
+    let app = json!({
+        "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"placement": {"clusters": [{"name": member}]},
+                 "template": {"spec": {"replicas": 1, "image": "nginx:1.27"}}},
+    });
+    apply(&host, &app).await?;
+    let on_member: Api<MyApp> = Api::namespaced(member_client.clone(), "default");
+    let what = format!("default/{name} on {member}");
+    await_object(&on_member, name, TIMEOUT, &what, |a: Option<&MyApp>| {
+        a.is_some()
+    })
+    .await?;
+
+    let narrowed = async {
+        f.stop(&env, &agent)?;
+        f.start_variant(&env, &agent, &agent, |l| {
+            l.set_arg("allowed-namespace", Some(scope))
+        })?;
+        f.wait_ready(&agent).await?;
+        // The narrowed agent's Hello did not list default/{name}; the hub sent its Apply
+        // again, and the agent refused it: proof that the new session is up.
+        let refused = |a: Option<&FederatedMyApp>| {
+            a.and_then(|a| serde_json::to_string(&a.status).ok())
+                .is_some_and(|s| s.contains("not listed in --allowed-namespace"))
+        };
+        let what = format!("default/{name}: {member}'s agent refuses it");
+        await_object(&fedapps(&host, "default"), name, TIMEOUT, &what, refused).await?;
+
+        fedapps(&host, "default")
+            .delete(name, &DeleteParams::default())
+            .await?;
+        let reason = format!("{member} (its agent watches only namespaces {scope}, not default)");
+        let waiting = |a: Option<&FederatedMyApp>| {
+            a.and_then(|a| condition(a, "Propagated"))
+                .is_some_and(|c| c.reason == "Deleting" && c.message.contains(&reason))
+        };
+        let what = format!("default/{name}: the deletion waits for {member}, naming the scope");
+        await_object(&fedapps(&host, "default"), name, TIMEOUT, &what, waiting).await?;
+        // Longer than a deletion takes when the agent can see it (a second or two).
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let still = fedapps(&host, "default").get_opt(name).await?;
+        ensure!(
+            still.is_some(),
+            "the finalizer went while {member}'s copy was unknown"
+        );
+        ensure!(
+            on_member.get_opt(name).await?.is_some(),
+            "default/{name} left {member} while its agent could not see it"
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    // The agent as `up` started it.
+    let restored = async {
+        f.stop(&env, &agent)?;
+        f.start(&env, &agent)?;
+        f.wait_ready(&agent).await
+    }
+    .await;
+    narrowed?;
+    restored?;
+    delete_and_wait(&host, "default", name).await?;
+    let what = format!("default/{name} gone from {member}");
+    await_object(&on_member, name, TIMEOUT, &what, |a: Option<&MyApp>| {
+        a.is_none()
+    })
+    .await?;
+    let _ = Api::<Namespace>::all(member_client)
+        .delete(scope, &DeleteParams::default())
+        .await;
+    converge::wait_converged(&env, TIMEOUT).await?;
+    log.assert_clean(&BTreeSet::from([(member, format!("default/{name}"))]))
+}

@@ -23,6 +23,10 @@ pub const REASON_MAX: usize = 128;
 /// 256 bytes of it per cluster (`flotilla_plan::status::CLUSTER_MESSAGE_MAX`); the rest
 /// is for `flotilla-hub status`.
 pub const MESSAGE_MAX: usize = 1024;
+/// A namespace's name (a DNS label).
+pub const NAMESPACE_MAX: usize = 63;
+/// Namespaces in a Hello's scope: more than any agent's `--allowed-namespace` list.
+pub const SCOPE_MAX: usize = 1000;
 /// Nodes in one cluster (Kubernetes supports 5,000).
 pub const NODES_MAX: i32 = 1_000_000;
 /// CPU of one cluster: a billion cores, in millicores.
@@ -84,11 +88,15 @@ impl Bounds {
 /// A Hello as the hub reads it (it logs and shows these strings): versions cut to
 /// [`HELLO_STRING_MAX`]. The cluster name, UID and ID identify the member, so past
 /// [`NAME_MAX`] and [`HELLO_STRING_MAX`] the Hello is refused rather than cut (a cut could
-/// make them look like real ones).
+/// make them look like real ones). So is a scope with an empty namespace, one past
+/// [`NAMESPACE_MAX`], or more than [`SCOPE_MAX`] of them: a cut would widen what the
+/// agent's silence is taken to mean.
 pub fn hello_from_pb(mut h: pb::Hello) -> Result<Bounded<pb::Hello>, Refusal> {
     if h.cluster.len() > NAME_MAX
         || h.cluster_uid.len() > HELLO_STRING_MAX
         || h.cluster_id.len() > HELLO_STRING_MAX
+        || h.scope.len() > SCOPE_MAX
+        || (h.scope.iter()).any(|ns| ns.is_empty() || ns.len() > NAMESPACE_MAX)
     {
         return Err(Refusal::LongString);
     }
@@ -438,5 +446,20 @@ mod tests {
             hello_from_pb(with_id("i".repeat(HELLO_STRING_MAX + 1))),
             Err(Refusal::LongString)
         );
+        // A scope is refused, not cut: fewer namespaces would cover more than it said.
+        let with_scope = |scope: Vec<String>| pb::Hello {
+            scope,
+            ..hello("c1".into(), uid.clone(), String::new())
+        };
+        let longest = "n".repeat(NAMESPACE_MAX);
+        let ok = hello_from_pb(with_scope(vec!["team".into(), longest.clone()])).unwrap();
+        assert_eq!(ok.value.scope, ["team", &longest]);
+        for refused in [
+            vec![format!("{longest}n")],
+            vec!["team".into(), String::new()],
+            vec!["n".into(); SCOPE_MAX + 1],
+        ] {
+            assert_eq!(hello_from_pb(with_scope(refused)), Err(Refusal::LongString));
+        }
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use flotilla_plan::index::{AppKey, Change, Desired, Held, Index, Push};
+use flotilla_plan::index::{AppKey, Change, Desired, Held, Index, Push, Scope};
 use flotilla_proto::WireKey;
 use flotilla_proto::v1::{self as pb, hub_message::Kind};
 use indexmap::IndexMap;
@@ -355,8 +355,9 @@ impl Dispatcher {
         true
     }
 
-    /// Pushes the deletion; returns the clusters still holding the app, and those that
-    /// only claimed it whose wait ended now (the deletion goes on without them).
+    /// Pushes the deletion; returns the clusters still holding the app (each named with
+    /// the reason when it is its agent's scope), and those that only claimed it whose
+    /// wait ended now (the deletion goes on without them).
     pub fn delete_app(
         &self,
         key: &AppKey,
@@ -368,7 +369,13 @@ impl Dispatcher {
         self.metrics.pairs.set(state.index.applied_pairs() as i64);
         route(&state, pushes);
         let unheeded = unheeded_claims(&mut state.index, key);
-        (state.index.deletion_waiting_on(key), unheeded)
+        let waiting = (state.index.deletion_waiting_on(key).into_iter())
+            .map(|cluster| match state.index.scope_excludes(&cluster, key) {
+                Some(scope) => outside_scope(cluster, key, scope),
+                None => cluster,
+            })
+            .collect();
+        (waiting, unheeded)
     }
 
     /// The app's object left the host; `replaced`: another of the same name is listed
@@ -407,6 +414,7 @@ impl Dispatcher {
         &self,
         identity: &Identity,
         managed: &HashMap<AppKey, String>,
+        scope: Scope,
     ) -> Result<Arc<ClusterQueue>, Busy> {
         let cluster = identity.cluster.as_str();
         let mut state = self.state.lock();
@@ -427,7 +435,7 @@ impl Dispatcher {
             closed: CancellationToken::new(),
         });
         state.sessions.insert(cluster.to_owned(), queue.clone());
-        let (pushes, desired) = state.index.connect(cluster, managed);
+        let (pushes, desired) = state.index.connect(cluster, managed, scope);
         route(&state, pushes);
         queue.push(
             Slot::SyncComplete,
@@ -530,6 +538,21 @@ fn remove_session(state: &mut State, cluster: &str, id: Option<u64>) {
     }
 }
 
+/// A cluster a deletion waits for because its agent does not watch the app's namespace
+/// (`--allowed-namespace`), with what it does watch: it cannot say the MyApp is gone.
+fn outside_scope(cluster: String, key: &AppKey, scope: &BTreeSet<String>) -> String {
+    const SHOWN: usize = 3;
+    let mut watched: Vec<&str> = scope.iter().take(SHOWN).map(String::as_str).collect();
+    if scope.len() > SHOWN {
+        watched.push("…");
+    }
+    format!(
+        "{cluster} (its agent watches only namespaces {}, not {})",
+        watched.join(", "),
+        key.namespace
+    )
+}
+
 fn route(state: &State, pushes: Vec<Push>) {
     for (cluster, key, change) in pushes {
         if let Some(queue) = state.sessions.get(&cluster) {
@@ -572,7 +595,7 @@ mod tests {
     #[tokio::test]
     async fn a_renewed_token_replaces_one_not_yet_sent() {
         let d = Dispatcher::default();
-        let q = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        let q = d.connect(&id("c1"), &HashMap::new(), Scope::All).unwrap();
         assert_eq!(drain(&q).await, ["sync 0"]);
         for at in [1, 2] {
             q.renew_token(pb::RenewToken {
@@ -598,7 +621,7 @@ mod tests {
     #[tokio::test]
     async fn superseded_versions_collapse_in_place() {
         let d = Dispatcher::default();
-        let q = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        let q = d.connect(&id("c1"), &HashMap::new(), Scope::All).unwrap();
         assert_eq!(drain(&q).await, ["sync 0"]);
         let key = AppKey::new("ns", "a");
         for h in ["h1", "h2", "h3"] {
@@ -625,7 +648,7 @@ mod tests {
             ]
             .into(),
         );
-        let q = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        let q = d.connect(&id("c1"), &HashMap::new(), Scope::All).unwrap();
         assert_eq!(drain(&q).await, ["apply a h1", "sync 1"]);
         assert_eq!(d.sessions().len(), 1);
     }
@@ -633,15 +656,18 @@ mod tests {
     #[tokio::test]
     async fn a_second_live_session_is_refused_and_a_stale_disconnect_is_ignored() {
         let d = Dispatcher::default();
-        let first = d.connect(&id("c1"), &HashMap::new()).unwrap();
-        let busy = d.connect(&id("c1"), &HashMap::new()).err().unwrap();
+        let first = d.connect(&id("c1"), &HashMap::new(), Scope::All).unwrap();
+        let busy = d
+            .connect(&id("c1"), &HashMap::new(), Scope::All)
+            .err()
+            .unwrap();
         assert!(
             busy.to_string()
                 .contains("already has a live agent session")
         );
         assert!(!first.closed.is_cancelled(), "the live session is kept");
         d.disconnect(&first);
-        let second = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        let second = d.connect(&id("c1"), &HashMap::new(), Scope::All).unwrap();
         d.disconnect(&first);
         assert_eq!(
             d.sessions().len(),
@@ -656,7 +682,7 @@ mod tests {
     #[tokio::test]
     async fn a_closed_session_gets_nothing_more() {
         let d = Dispatcher::default();
-        let q = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        let q = d.connect(&id("c1"), &HashMap::new(), Scope::All).unwrap();
         assert_eq!(drain(&q).await, ["sync 0"]);
         d.close_all();
         d.set_app(
@@ -672,12 +698,12 @@ mod tests {
         let d = Dispatcher::default();
         let a = AppKey::new("ns", "a");
         d.set_app(&a, None, [("c1".to_owned(), apply("h"))].into());
-        let q1 = d.connect(&id("c1"), &HashMap::new()).unwrap();
-        let q2 = d.connect(&id("c2"), &HashMap::new()).unwrap();
+        let q1 = d.connect(&id("c1"), &HashMap::new(), Scope::All).unwrap();
+        let q2 = d.connect(&id("c2"), &HashMap::new(), Scope::All).unwrap();
         assert!(d.report(&q1, &a, Held::Present));
         assert!(!d.report(&q2, &a, Held::Present));
         d.disconnect(&q1);
-        let q1b = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        let q1b = d.connect(&id("c1"), &HashMap::new(), Scope::All).unwrap();
         assert!(
             !d.report(&q1, &a, Held::Absent),
             "a replaced session's late report"
@@ -698,7 +724,7 @@ mod tests {
             Some(Kind::SyncComplete(s)) => Some(s.clone()),
             _ => None,
         };
-        let q = d.connect(&id("c1"), &HashMap::new()).unwrap();
+        let q = d.connect(&id("c1"), &HashMap::new(), Scope::All).unwrap();
         d.set_app(
             &AppKey::new("ns", "c"),
             None,
@@ -731,13 +757,33 @@ mod tests {
         let claimed: HashMap<AppKey, String> = (0..100_000)
             .map(|i| (AppKey::new("other", format!("app{i}")), "h".to_owned()))
             .collect();
-        let q = d.connect(&id("c1"), &claimed).unwrap();
+        let q = d.connect(&id("c1"), &claimed, Scope::All).unwrap();
         let one = AppKey::new("other", "app7");
         assert!(!d.report(&q, &one, Held::Present));
         // Its "gone" still clears the claim: a deletion no longer waits for it.
         assert!(!d.report(&q, &one, Held::Absent));
         let (waiting, _) = d.delete_app(&one, false, &[]);
         assert!(waiting.is_empty(), "{waiting:?}");
+    }
+
+    /// A deletion waiting for an agent that cannot see the namespace says so.
+    #[test]
+    fn a_deletion_names_the_scope_that_keeps_a_cluster_from_confirming() {
+        let d = Dispatcher::default();
+        d.planned_for(["c1".to_owned()].into());
+        let key = AppKey::new("shop", "web");
+        d.set_app(
+            &key,
+            None,
+            BTreeMap::from([("c1".to_owned(), Desired::Keep)]),
+        );
+        let scope = Scope::of(["a", "b", "c", "d"].map(String::from));
+        let _q = d.connect(&id("c1"), &HashMap::new(), scope).unwrap();
+        let (waiting, _) = d.delete_app(&key, false, &[]);
+        assert_eq!(
+            waiting,
+            ["c1 (its agent watches only namespaces a, b, c, …, not shop)"]
+        );
     }
 
     #[tokio::test]

@@ -421,7 +421,8 @@ mod tests {
             cluster: "paris".into(),
             token_hash: "h1".into(),
         };
-        d.connect(&identity, &Default::default()).unwrap()
+        d.connect(&identity, &Default::default(), Default::default())
+            .unwrap()
     }
 
     fn stage(r: &Renewer, session: &ClusterQueue, hash: &str, expires: Timestamp) {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use flotilla_plan::index::AppKey;
+use flotilla_plan::index::{AppKey, Scope};
 use flotilla_proto::WireKey;
 use flotilla_proto::client::MAX_AGENT_MESSAGE;
 use flotilla_proto::v1::federation_server::Federation;
@@ -208,9 +208,9 @@ impl Federation for FederationService {
             }
             Err(refusal) => {
                 self.refusals.count(refusal);
-                warn!(%cluster, "a Hello whose cluster name or UID is too long, refused");
+                warn!(%cluster, "a Hello whose cluster name, UID or scope is too long, refused");
                 return Err(Status::invalid_argument(
-                    "Hello: the cluster name or UID is longer than any real one",
+                    "Hello: the cluster name, UID, ID or a scope namespace is longer than any real one (or a scope namespace is empty)",
                 ));
             }
         };
@@ -246,7 +246,7 @@ impl Federation for FederationService {
         }
         let queue = self
             .dispatcher
-            .connect(&identity, &managed)
+            .connect(&identity, &managed, Scope::of(hello.scope.clone()))
             .map_err(|busy| {
                 self.refusals.count(Refusal::SecondSession);
                 warn!(%cluster, "{busy}");
@@ -267,7 +267,7 @@ impl Federation for FederationService {
             self.dispatcher.disconnect(&queue);
             return Err(self.revoked_while_admitted(&cluster));
         }
-        info!(%cluster, agent = %hello.agent_version, kubernetes = %hello.kubernetes_version, managed = managed.len(), "agent connected");
+        info!(%cluster, agent = %hello.agent_version, kubernetes = %hello.kubernetes_version, managed = managed.len(), scope = ?hello.scope, "agent connected");
         queue.set_renews_token(hello.renews_token);
         self.membership.hello(&cluster, &hello);
         self.dispatcher.metrics.collection_blocked(&cluster, 0);

@@ -117,6 +117,37 @@ fn is_apply(want: &Desired) -> bool {
     matches!(want, Desired::Apply(_))
 }
 
+/// The namespaces an agent's word covers (its Hello's `scope`). The agent lists and
+/// watches only these, so what it says of a MyApp elsewhere (present or absent) is not
+/// known to it, and not believed: such a MyApp is unknown, as on a cluster whose agent
+/// is away.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Scope {
+    /// Every namespace.
+    #[default]
+    All,
+    /// Only these.
+    Namespaces(BTreeSet<String>),
+}
+
+impl Scope {
+    /// Hello's list: empty for every namespace.
+    pub fn of(namespaces: impl IntoIterator<Item = String>) -> Self {
+        let namespaces: BTreeSet<String> = namespaces.into_iter().collect();
+        match namespaces.is_empty() {
+            true => Self::All,
+            false => Self::Namespaces(namespaces),
+        }
+    }
+
+    pub fn covers(&self, key: &AppKey) -> bool {
+        match self {
+            Self::All => true,
+            Self::Namespaces(namespaces) => namespaces.contains(&key.namespace),
+        }
+    }
+}
+
 /// How long a deletion waits for a cluster that only claims the app, by default.
 pub const CLAIM_WAIT: Duration = Duration::from_secs(600);
 
@@ -140,6 +171,9 @@ pub struct Index {
     /// cluster → apps its agent manages, for clusters whose agent said Hello since it
     /// last connected; absent for the others, whose state is unknown.
     present: HashMap<String, HashSet<Arc<AppKey>>>,
+    /// cluster → the namespaces its connected agent covers, for agents that cover fewer
+    /// than all ([`Scope`]); `present` holds only MyApps inside them.
+    scopes: HashMap<String, BTreeSet<String>>,
     /// app being deleted → clusters that have not confirmed it is gone (or released).
     deleting: HashMap<AppKey, BTreeSet<String>>,
     /// app → clusters a plan took it off that have not said they no longer hold it (an
@@ -244,13 +278,18 @@ impl Index {
                 .filter(|(_, apps)| apps.contains(key))
                 .map(|(c, _)| c.clone()),
         );
+        let candidates: Vec<(String, Option<bool>)> = (candidates.into_iter())
+            .map(|cluster| {
+                let held = self.holds(&cluster, key);
+                (cluster, held)
+            })
+            .collect();
         let mut pushes = Vec::new();
         let shared = Arc::new(key.clone());
         let waiting = self.deleting.entry(key.clone()).or_default();
         let claimed = self.claimed.entry(key.clone()).or_default();
-        for cluster in candidates {
+        for (cluster, held) in candidates {
             let before = self.desired.remove(&cluster, key);
-            let held = self.present.get(&cluster).map(|apps| apps.contains(key));
             // A connected agent that has not reported the MyApp may still be applying an
             // Apply sent this session: only "never sent, never held" is known absence.
             let may_hold = match held {
@@ -391,6 +430,7 @@ impl Index {
         }
         self.desired.retain_clusters(registered);
         self.present.retain(|c, _| registered.contains(c));
+        self.scopes.retain(|c, _| registered.contains(c));
         self.drifted.retain(|c, _| registered.contains(c));
         self.claimed.retain(|_, clusters| {
             clusters.retain(|c, _| registered.contains(c));
@@ -405,24 +445,34 @@ impl Index {
         });
     }
 
-    /// An agent said Hello with the hashes of the apps it manages: what it lacks or has
-    /// stale, and the whole desired key set for its SyncComplete.
+    /// An agent said Hello with the hashes of the apps it manages in `scope`: what it
+    /// lacks or has stale, and the whole desired key set for its SyncComplete. Only
+    /// MyApps inside the scope are known held or known absent; a Hello that lists one
+    /// outside it is not believed on that one.
     pub fn connect(
         &mut self,
         cluster: &str,
         managed: &HashMap<AppKey, String>,
+        scope: Scope,
     ) -> (Vec<Push>, Vec<Arc<AppKey>>) {
+        let managed: HashMap<&AppKey, &String> = (managed.iter())
+            .filter(|(key, _)| scope.covers(key))
+            .collect();
         let held = managed
             .keys()
             .map(|key| self.desired.shared_key(cluster, key))
             .collect();
         self.present.insert(cluster.to_owned(), held);
+        match scope {
+            Scope::All => self.scopes.remove(cluster),
+            Scope::Namespaces(namespaces) => self.scopes.insert(cluster.to_owned(), namespaces),
+        };
         let mut pushes = Vec::new();
         let keys = self.desired_shared(cluster);
         if let Some(desired) = self.desired.get(cluster) {
             for key in &keys {
                 match (&desired[key], managed.get(&**key)) {
-                    (Desired::Apply(r), hash) if hash != Some(&r.hash) => {
+                    (Desired::Apply(r), hash) if hash != Some(&&r.hash) => {
                         let apply = Change::Apply(r.clone());
                         pushes.push((cluster.to_owned(), AppKey::clone(key), apply));
                     }
@@ -437,12 +487,27 @@ impl Index {
                 }
             }
         }
+        self.settle_deletions(cluster, &managed, &keys, &mut pushes);
+        (pushes, keys)
+    }
+
+    /// After a Hello: deletions (and departures) waiting on the cluster that its agent
+    /// says it does not hold are confirmed; one it still holds is sent its Delete.
+    fn settle_deletions(
+        &mut self,
+        cluster: &str,
+        managed: &HashMap<&AppKey, &String>,
+        keys: &[Arc<AppKey>],
+        pushes: &mut Vec<Push>,
+    ) {
         let mut gone = Vec::new();
         for (key, waiting) in &self.deleting {
             if !waiting.contains(cluster) {
                 continue;
             }
-            if !managed.contains_key(key) {
+            if !self.covers(cluster, key) {
+                // Unknown to this agent: waited for as if it were away.
+            } else if !managed.contains_key(key) {
                 gone.push(key.clone());
             } else if keys.binary_search_by(|k| (**k).cmp(key)).is_err() {
                 // A deletion the agent still holds is sent as an explicit Delete: it is
@@ -457,13 +522,16 @@ impl Index {
         }
         gone.extend(
             (self.departed.iter())
-                .filter(|(key, clusters)| clusters.contains(cluster) && !managed.contains_key(*key))
+                .filter(|(key, clusters)| {
+                    clusters.contains(cluster)
+                        && self.covers(cluster, key)
+                        && !managed.contains_key(*key)
+                })
                 .map(|(key, _)| key.clone()),
         );
         for key in gone {
             self.confirm_gone(cluster, &key);
         }
-        (pushes, keys)
     }
 
     /// The keys the cluster should have, for a SyncComplete, in order: the index's own
@@ -486,12 +554,17 @@ impl Index {
     /// The agent went away: what it holds is unknown until it says Hello again.
     pub fn disconnect(&mut self, cluster: &str) {
         self.present.remove(cluster);
+        self.scopes.remove(cluster);
         self.drifted.remove(cluster);
     }
 
     /// The agent reported on an app. A desired MyApp reported absent (deleted by hand in
-    /// the member, say) is sent again; a failed one is retried by the agent itself.
+    /// the member, say) is sent again; a failed one is retried by the agent itself. A
+    /// report on a MyApp outside the agent's scope changes nothing.
     pub fn report(&mut self, cluster: &str, key: &AppKey, held: Held) -> Vec<Push> {
+        if !self.covers(cluster, key) {
+            return Vec::new();
+        }
         let Some(apps) = self.present.get_mut(cluster) else {
             return Vec::new();
         };
@@ -528,6 +601,24 @@ impl Index {
                 }
             }
         }
+    }
+
+    /// Whether the cluster's connected agent holds the app, by its own word; `None` when
+    /// it cannot say (away, or the app is outside its scope).
+    fn holds(&self, cluster: &str, key: &AppKey) -> Option<bool> {
+        let apps = self.present.get(cluster)?;
+        self.covers(cluster, key).then(|| apps.contains(key))
+    }
+
+    /// Whether the app is inside the scope of the cluster's agent (or no agent said).
+    fn covers(&self, cluster: &str, key: &AppKey) -> bool {
+        (self.scopes.get(cluster)).is_none_or(|namespaces| namespaces.contains(&key.namespace))
+    }
+
+    /// Why a connected cluster cannot confirm the app's deletion, when the reason is its
+    /// agent's scope: the namespaces it covers.
+    pub fn scope_excludes(&self, cluster: &str, key: &AppKey) -> Option<&BTreeSet<String>> {
+        (self.scopes.get(cluster)).filter(|namespaces| !namespaces.contains(&key.namespace))
     }
 
     /// The cluster's agent said it does not hold the app (its Hello, or a report).
@@ -656,7 +747,7 @@ mod tests {
         );
         let pushes = ix.set_app(&key("a"), None, plan(&[("c1", Desired::Keep)]));
         assert_eq!(kinds(&pushes), [t("c2", "a", "delete orphan=false")]);
-        let (pushes, keys) = ix.connect("c1", &hello(&[("a", "old")]));
+        let (pushes, keys) = ix.connect("c1", &hello(&[("a", "old")]), Scope::All);
         assert!(pushes.is_empty(), "Keep leaves the member's copy alone");
         assert_eq!(
             keys,
@@ -674,6 +765,7 @@ mod tests {
         let (pushes, keys) = ix.connect(
             "c1",
             &hello(&[("a", "ha"), ("b", "stale"), ("zombie", "hz")]),
+            Scope::All,
         );
         assert_eq!(
             kinds(&pushes),
@@ -690,9 +782,9 @@ mod tests {
     fn reconnect_with_everything_current_sends_nothing() {
         let mut ix = Index::default();
         ix.set_app(&key("a"), None, plan(&[("c1", rendered("ha"))]));
-        ix.connect("c1", &HashMap::new());
+        ix.connect("c1", &HashMap::new(), Scope::All);
         ix.disconnect("c1");
-        let (pushes, _) = ix.connect("c1", &hello(&[("a", "ha")]));
+        let (pushes, _) = ix.connect("c1", &hello(&[("a", "ha")]), Scope::All);
         assert!(pushes.is_empty());
     }
 
@@ -704,7 +796,7 @@ mod tests {
             None,
             plan(&[("c1", rendered("h")), ("c2", rendered("h"))]),
         );
-        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.connect("c1", &hello(&[("a", "h")]), Scope::All);
         // c2 never connected: it is waited for, and gets its Delete through orphan
         // collection when it does.
         let pushes = ix.delete_app(&key("a"), false, &[], now());
@@ -712,7 +804,7 @@ mod tests {
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1", "c2"]);
         ix.report("c1", &key("a"), Held::Absent);
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c2"]);
-        let (pushes, keys) = ix.connect("c2", &hello(&[("a", "h")]));
+        let (pushes, keys) = ix.connect("c2", &hello(&[("a", "h")]), Scope::All);
         assert_eq!(
             kinds(&pushes),
             [t("c2", "a", "delete orphan=false")],
@@ -726,9 +818,42 @@ mod tests {
     #[test]
     fn delete_skips_connected_clusters_that_do_not_hold_it() {
         let mut ix = Index::default();
-        ix.connect("c1", &HashMap::new());
+        ix.connect("c1", &HashMap::new(), Scope::All);
         let pushes = ix.delete_app(&key("a"), false, &["c1".into()], now());
         assert!(pushes.is_empty());
+        assert!(ix.deletion_waiting_on(&key("a")).is_empty());
+    }
+
+    /// An agent narrowed to namespace `team` cannot see `default`: its Hello's silence
+    /// on default/a (placed there earlier) is not absence, and neither is a report. The
+    /// deletion waits for it, and says whose scope is the reason, until an agent that
+    /// covers `default` says it is gone.
+    #[test]
+    fn a_deletion_waits_for_a_cluster_whose_agent_does_not_cover_the_namespace() {
+        let mut ix = Index::default();
+        ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
+        let team = Scope::of(["team".to_owned()]);
+        let (pushes, _) = ix.connect("c1", &hello(&[("a", "h")]), team.clone());
+        assert_eq!(
+            kinds(&pushes),
+            [t("c1", "a", "apply h")],
+            "its own listing of default/a is not believed either"
+        );
+        let pushes = ix.delete_app(&key("a"), false, &[], now());
+        assert!(
+            pushes.is_empty(),
+            "no Delete for an agent that cannot see it"
+        );
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
+        assert!(ix.report("c1", &key("a"), Held::Absent).is_empty());
+        ix.connect("c1", &HashMap::new(), team);
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
+        let why = ix.scope_excludes("c1", &key("a")).cloned();
+        assert_eq!(why, Some(BTreeSet::from(["team".to_owned()])));
+
+        ix.disconnect("c1");
+        assert_eq!(ix.scope_excludes("c1", &key("a")), None);
+        ix.connect("c1", &HashMap::new(), Scope::All);
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
     }
 
@@ -737,7 +862,7 @@ mod tests {
         let mut ix = Index::default();
         ix.delete_app(&key("a"), false, &["c1".into()], now());
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
-        ix.connect("c1", &HashMap::new());
+        ix.connect("c1", &HashMap::new(), Scope::All);
         assert!(
             ix.deletion_waiting_on(&key("a")).is_empty(),
             "Hello without it confirms"
@@ -752,14 +877,14 @@ mod tests {
             None,
             plan(&[("c1", rendered("h")), ("c2", rendered("h"))]),
         );
-        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.connect("c1", &hello(&[("a", "h")]), Scope::All);
         let pushes = ix.delete_app(&key("a"), true, &[], now());
         assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=true")]);
         assert!(
             ix.delete_app(&key("a"), true, &[], now()).is_empty(),
             "a retried cleanup does not resend"
         );
-        let (pushes, keys) = ix.connect("c2", &hello(&[("a", "h")]));
+        let (pushes, keys) = ix.connect("c2", &hello(&[("a", "h")]), Scope::All);
         assert_eq!(kinds(&pushes), [t("c2", "a", "delete orphan=true")]);
         assert_eq!(
             keys,
@@ -769,7 +894,7 @@ mod tests {
         ix.report("c1", &key("a"), Held::Absent);
         ix.report("c2", &key("a"), Held::Absent);
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
-        let (_, keys) = ix.connect("c2", &HashMap::new());
+        let (_, keys) = ix.connect("c2", &HashMap::new(), Scope::All);
         assert!(
             keys.is_empty(),
             "released entries are dropped once confirmed"
@@ -782,7 +907,11 @@ mod tests {
         let mut ix = Index::with_claim_wait(wait);
         // c1 says Hello holding other/app, which this hub never placed or sent anywhere.
         let claimed = AppKey::new("other", "app");
-        ix.connect("c1", &HashMap::from([(claimed.clone(), "h".to_owned())]));
+        ix.connect(
+            "c1",
+            &HashMap::from([(claimed.clone(), "h".to_owned())]),
+            Scope::All,
+        );
         let pushes = ix.delete_app(&claimed, false, &[], now());
         assert_eq!(kinds(&pushes), [t("c1", "app", "delete orphan=false")]);
         assert_eq!(ix.deletion_waiting_on(&claimed), ["c1"]);
@@ -810,7 +939,7 @@ mod tests {
     #[test]
     fn an_orphaning_delete_waits_for_a_claimer_for_good() {
         let mut ix = Index::with_claim_wait(Duration::ZERO);
-        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.connect("c1", &hello(&[("a", "h")]), Scope::All);
         let pushes = ix.delete_app(&key("a"), true, &[], now());
         assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=true")]);
         ix.delete_app(&key("a"), true, &[], now() + Duration::from_secs(86_400));
@@ -823,7 +952,7 @@ mod tests {
     #[test]
     fn a_claim_is_sent_its_delete_even_with_no_wait() {
         let mut ix = Index::with_claim_wait(Duration::ZERO);
-        ix.connect("c1", &hello(&[("a", "h"), ("b", "h")]));
+        ix.connect("c1", &hello(&[("a", "h"), ("b", "h")]), Scope::All);
         let pushes = ix.delete_app(&key("a"), false, &[], now());
         assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=false")]);
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
@@ -838,7 +967,7 @@ mod tests {
     fn a_claiming_cluster_that_went_away_is_not_waited_for_past_the_claim_wait() {
         let wait = Duration::from_secs(10);
         let mut ix = Index::with_claim_wait(wait);
-        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.connect("c1", &hello(&[("a", "h")]), Scope::All);
         ix.delete_app(&key("a"), false, &[], now());
         ix.disconnect("c1");
         ix.delete_app(&key("a"), false, &[], now() + wait);
@@ -858,8 +987,8 @@ mod tests {
             plan(&[("c1", rendered("h")), ("c2", rendered("h"))]),
         );
         ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
-        ix.connect("c1", &hello(&[("a", "h")]));
-        ix.connect("c3", &hello(&[("a", "h")]));
+        ix.connect("c1", &hello(&[("a", "h")]), Scope::All);
+        ix.connect("c3", &hello(&[("a", "h")]), Scope::All);
         ix.delete_app(&key("a"), false, &["c3".into()], now());
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1", "c2", "c3"]);
         for at in [now() + Duration::from_secs(11), later] {
@@ -872,7 +1001,7 @@ mod tests {
         assert!(ix.take_unheeded_claims(&key("a")).is_empty());
         // An Apply in flight to a connected agent that has not reported it yet.
         ix.set_app(&key("b"), None, plan(&[("c4", rendered("h"))]));
-        ix.connect("c4", &HashMap::new());
+        ix.connect("c4", &HashMap::new(), Scope::All);
         ix.delete_app(&key("b"), false, &[], now());
         ix.delete_app(&key("b"), false, &[], later);
         assert_eq!(ix.deletion_waiting_on(&key("b")), ["c4"]);
@@ -886,7 +1015,7 @@ mod tests {
         assert!(!ix.is_placed("c2", &key("a")));
         assert!(!ix.is_placed("c1", &key("b")));
         // Claimed in a Hello: reported on, but not the hub's word.
-        ix.connect("c2", &hello(&[("b", "h")]));
+        ix.connect("c2", &hello(&[("b", "h")]), Scope::All);
         assert!(ix.is_placed("c2", &key("b")));
         assert!(!ix.is_assigned("c2", &key("b")));
         assert!(ix.is_assigned("c1", &key("a")));
@@ -914,7 +1043,8 @@ mod tests {
         Replace(u8, bool),
         Forget(u8),
         Retain(Vec<u8>),
-        Connect(u8, Vec<(u8, u8)>),
+        /// A Hello from the cluster, in one namespace's scope or all.
+        Connect(u8, Vec<(u8, u8)>, Option<u8>),
         Disconnect(u8),
         Report(u8, u8, u8),
     }
@@ -933,15 +1063,27 @@ mod tests {
             (app(), any::<bool>()).prop_map(|(a, o)| Op::Replace(a, o)),
             app().prop_map(Op::Forget),
             clusters().prop_map(Op::Retain),
-            (cluster(), proptest::collection::vec((app(), 0u8..3), 0..4))
-                .prop_map(|(c, m)| Op::Connect(c, m)),
+            (
+                cluster(),
+                proptest::collection::vec((app(), 0u8..3), 0..4),
+                proptest::option::of(0u8..2)
+            )
+                .prop_map(|(c, m, s)| Op::Connect(c, m, s)),
             cluster().prop_map(Op::Disconnect),
             (cluster(), app(), 0u8..4).prop_map(|(c, a, h)| Op::Report(c, a, h)),
         ]
     }
 
+    /// App `a` lives in namespace `ns{a % 2}`, so that scopes cover some apps and not others.
+    fn app(a: u8) -> AppKey {
+        AppKey::new(format!("ns{}", a % 2), format!("a{a}"))
+    }
+
+    fn scope(namespace: Option<u8>) -> Scope {
+        Scope::of(namespace.map(|n| format!("ns{n}")))
+    }
+
     fn run(ix: &mut Index, op: Op) {
-        let app = |a: u8| key(&format!("a{a}"));
         let cluster = |c: u8| format!("c{c}");
         match op {
             Op::Set(a, generation, entries) => {
@@ -972,12 +1114,12 @@ mod tests {
             Op::Retain(clusters) => {
                 ix.retain_clusters(&clusters.into_iter().map(cluster).collect())
             }
-            Op::Connect(c, managed) => {
+            Op::Connect(c, managed, namespace) => {
                 let managed = managed
                     .into_iter()
                     .map(|(a, h)| (app(a), format!("h{h}")))
                     .collect();
-                ix.connect(&cluster(c), &managed);
+                ix.connect(&cluster(c), &managed, scope(namespace));
             }
             Op::Disconnect(c) => ix.disconnect(&cluster(c)),
             Op::Report(c, a, held) => {
@@ -1020,6 +1162,43 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// An agent's word counts only inside its scope: a Hello or a report never ends
+        /// the wait of a deletion, or of a departure, for an app outside the scope of
+        /// the agent that sent it (nor for one outside the scope it had when it reported).
+        #[test]
+        fn an_agent_confirms_nothing_outside_its_scope(
+            ops in proptest::collection::vec(arb_op(), 1..40)
+        ) {
+            let mut ix = Index::default();
+            for op in ops {
+                let (c, outside): (String, Vec<AppKey>) = match &op {
+                    Op::Connect(c, _, namespace) => {
+                        let scope = scope(*namespace);
+                        (format!("c{c}"), (0..4).map(app).filter(|k| !scope.covers(k)).collect())
+                    }
+                    Op::Report(c, a, _) if ix.scope_excludes(&format!("c{c}"), &app(*a)).is_some() => {
+                        (format!("c{c}"), vec![app(*a)])
+                    }
+                    _ => (String::new(), Vec::new()),
+                };
+                let waited = |ix: &Index| -> Vec<(bool, bool)> {
+                    (outside.iter())
+                        .map(|k| (ix.deletion_waiting_on(k).contains(&c), ix.is_assigned(&c, k)))
+                        .collect()
+                };
+                let before = waited(&ix);
+                run(&mut ix, op.clone());
+                let after = waited(&ix);
+                for ((k, was), is) in outside.iter().zip(&before).zip(&after) {
+                    let kept = |held_before: bool, held_after: bool| held_after || !held_before;
+                    proptest::prop_assert!(
+                        kept(was.0, is.0) && kept(was.1, is.1),
+                        "{op:?}: {c} confirmed {k} outside its scope"
+                    );
+                }
+            }
+        }
+
         #[test]
         fn the_applied_count_always_equals_a_full_count(
             ops in proptest::collection::vec(arb_op(), 1..40)
@@ -1051,7 +1230,7 @@ mod tests {
             ix.set_app(&key("a"), Some(4), plan(&[])).is_empty(),
             "nor removes a cluster"
         );
-        let (pushes, _) = ix.connect("c1", &HashMap::new());
+        let (pushes, _) = ix.connect("c1", &HashMap::new(), Scope::All);
         assert_eq!(kinds(&pushes), [t("c1", "a", "apply v5")]);
         // The same generation re-planned (membership changed) is applied.
         assert_eq!(
@@ -1075,7 +1254,7 @@ mod tests {
     #[test]
     fn delete_while_an_apply_is_in_flight_sends_delete_and_waits() {
         let mut ix = Index::default();
-        ix.connect("c1", &HashMap::new());
+        ix.connect("c1", &HashMap::new(), Scope::All);
         let pushes = ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
         assert_eq!(kinds(&pushes), [t("c1", "a", "apply h")]);
         // No report yet: the agent may be applying it right now.
@@ -1091,7 +1270,7 @@ mod tests {
     #[test]
     fn an_orphaning_delete_while_an_apply_is_in_flight_releases_it() {
         let mut ix = Index::default();
-        ix.connect("c1", &HashMap::new());
+        ix.connect("c1", &HashMap::new(), Scope::All);
         ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
         let pushes = ix.delete_app(&key("a"), true, &[], now());
         assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=true")]);
@@ -1110,7 +1289,7 @@ mod tests {
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1", "c2"]);
         ix.retain_clusters(&["c1".to_owned()].into());
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
-        ix.connect("c1", &HashMap::new());
+        ix.connect("c1", &HashMap::new(), Scope::All);
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
     }
 
@@ -1137,7 +1316,7 @@ mod tests {
     #[test]
     fn a_deletion_waits_for_a_cluster_the_app_left_while_its_agent_was_away() {
         let mut ix = Index::default();
-        ix.connect("c1", &HashMap::new());
+        ix.connect("c1", &HashMap::new(), Scope::All);
         ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h"))]));
         ix.report("c1", &key("a"), Held::Present);
         ix.disconnect("c1");
@@ -1145,7 +1324,7 @@ mod tests {
         assert!(ix.is_placed("c1", &key("a")), "c1 may still hold it");
         ix.delete_app(&key("a"), false, &[], now());
         assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
-        let (pushes, _) = ix.connect("c1", &hello(&[("a", "h")]));
+        let (pushes, _) = ix.connect("c1", &hello(&[("a", "h")]), Scope::All);
         assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=false")]);
         ix.report("c1", &key("a"), Held::Absent);
         assert!(ix.deletion_waiting_on(&key("a")).is_empty());
@@ -1163,7 +1342,7 @@ mod tests {
     fn a_desired_myapp_reported_absent_is_sent_again_but_a_failed_one_is_not() {
         let mut ix = Index::default();
         ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
-        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.connect("c1", &hello(&[("a", "h")]), Scope::All);
         assert_eq!(
             kinds(&ix.report("c1", &key("a"), Held::Absent)),
             [t("c1", "a", "apply h")],
@@ -1186,14 +1365,14 @@ mod tests {
         let mut ix = Index::default();
         ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
         ix.set_app(&key("k"), None, plan(&[("c1", Desired::Keep)]));
-        ix.connect("c1", &hello(&[("a", "h"), ("k", "h0")]));
+        ix.connect("c1", &hello(&[("a", "h"), ("k", "h0")]), Scope::All);
         let drifted = |ix: &mut Index| kinds(&ix.report("c1", &key("a"), Held::Drifted));
         assert_eq!(drifted(&mut ix), [t("c1", "a", "apply h")]);
         assert!(drifted(&mut ix).is_empty(), "the same drift again");
         assert!(ix.report("c1", &key("a"), Held::Present).is_empty());
         assert_eq!(drifted(&mut ix), [t("c1", "a", "apply h")], "a new drift");
         ix.disconnect("c1");
-        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.connect("c1", &hello(&[("a", "h")]), Scope::All);
         assert_eq!(drifted(&mut ix), [t("c1", "a", "apply h")], "a new session");
         assert!(
             ix.report("c1", &key("k"), Held::Drifted).is_empty(),
@@ -1212,7 +1391,7 @@ mod tests {
     fn an_app_deleted_without_its_finalizer_is_deleted_now_and_then_forgotten() {
         let mut ix = Index::default();
         ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
-        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.connect("c1", &hello(&[("a", "h")]), Scope::All);
         assert_eq!(
             kinds(&ix.drop_app(&key("a"), false, now())),
             [t("c1", "a", "delete orphan=false")]
@@ -1223,7 +1402,7 @@ mod tests {
             ix.drop_app(&key("a"), false, now()).is_empty(),
             "unknown apps change nothing"
         );
-        let (_, keys) = ix.connect("c2", &HashMap::new());
+        let (_, keys) = ix.connect("c2", &HashMap::new(), Scope::All);
         assert!(keys.is_empty());
     }
 
@@ -1234,7 +1413,7 @@ mod tests {
         let mut ix = Index::default();
         let p = plan(&[("c1", rendered("h")), ("c2", rendered("h"))]);
         ix.set_app(&key("a"), Some(7), p);
-        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.connect("c1", &hello(&[("a", "h")]), Scope::All);
         assert!(ix.replace_app(&key("a"), false, now()).is_empty());
         assert!(!ix.is_deleting(&key("a")));
         let pushes = ix.set_app(&key("a"), Some(1), plan(&[("c1", rendered("h"))]));
@@ -1265,7 +1444,7 @@ mod tests {
     fn a_replaced_object_that_asked_to_be_orphaned_is_released_first() {
         let mut ix = Index::default();
         ix.set_app(&key("a"), Some(3), plan(&[("c1", rendered("h"))]));
-        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.connect("c1", &hello(&[("a", "h")]), Scope::All);
         assert_eq!(
             kinds(&ix.replace_app(&key("a"), true, now())),
             [t("c1", "a", "delete orphan=true")]
@@ -1287,7 +1466,7 @@ mod tests {
     fn a_cluster_reports_on_what_it_holds_after_the_app_left_its_placement() {
         let mut ix = Index::default();
         ix.set_app(&key("a"), None, plan(&[("c1", rendered("h"))]));
-        ix.connect("c1", &hello(&[("a", "h")]));
+        ix.connect("c1", &hello(&[("a", "h")]), Scope::All);
         ix.set_app(&key("a"), None, plan(&[]));
         assert!(
             ix.is_placed("c1", &key("a")),

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use flotilla_crds::{ClusterGrant, FederatedMyApp};
 use flotilla_plan::admission::Admission;
 use flotilla_plan::grants::Grants;
-use flotilla_plan::index::{AppKey, Change, Desired, Held, Index, Push};
+use flotilla_plan::index::{AppKey, Change, Desired, Held, Index, Push, Scope};
 use flotilla_plan::placement::{Member, Members};
 use flotilla_plan::planner::{Apps, Effects, Planner, Trigger};
 use flotilla_plan::rollout::{self, Observed, Seen};
@@ -575,7 +575,7 @@ impl Model {
             .filter(|(_, (_, managed))| *managed)
             .map(|(k, (hash, _))| (k.clone(), hash.clone()))
             .collect();
-        let (pushes, desired) = self.hub.index.connect(&name, &managed);
+        let (pushes, desired) = self.hub.index.connect(&name, &managed, Scope::All);
         self.route(pushes, From::Agent)?;
         let desired = desired.iter().map(|k| AppKey::clone(k)).collect();
         self.agents[c as usize].push(None, Message::SyncComplete(desired));

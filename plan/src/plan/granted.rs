@@ -206,7 +206,7 @@ fn a_withdrawn_grant_pushes_no_delete_and_the_apps_deletion_deletes_everywhere()
         let mut managed = std::collections::HashMap::new();
         managed.insert(key.clone(), "whatever".to_owned());
         for c in ["c1", "c2", "c3"] {
-            index.connect(c, &managed);
+            index.connect(c, &managed, crate::index::Scope::All);
         }
         let narrowed = planned(&everywhere, &to_c1(required));
         let pushes = index.set_app(&key, Some(1), narrowed.desired());
