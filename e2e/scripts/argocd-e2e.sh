@@ -309,9 +309,19 @@ wait_synced() { # NAME TIMEOUT_S [REVISION]
   die "$1 not Synced${3:+ at $3} within $2 s"
 }
 
+wait_limit() { # LIMIT WHAT: wait up to 120 s for the agent's memory limit to be LIMIT, or die "WHAT"
+  local lim
+  for _ in $(seq 1 60); do
+    lim=$(dk -n flotilla-system get deploy flotilla-agent -o jsonpath='{.spec.template.spec.containers[0].resources.limits.memory}')
+    [[ "$lim" == "$1" ]] && return 0
+    sleep 2
+  done
+  die "$2 (limit $lim)"
+}
+
 prove() {
   binaries >/dev/null
-  local rev rev2 lim
+  local rev rev2
   rev=$(git -C "$W/git/work" rev-parse HEAD)
   wait_synced $APP 300 "$rev"
   log "$APP resources, all Synced: $(hk -n argocd get application $APP -o jsonpath='{range .status.resources[*]}{.kind}/{.name}={.status} {end}')"
@@ -329,13 +339,8 @@ prove() {
   log "pushed $rev2 (memory limit 256Mi -> 320Mi)"
   local t0=$SECONDS
   wait_synced $APP 300 "$rev2"
-  for _ in $(seq 1 60); do
-    lim=$(dk -n flotilla-system get deploy flotilla-agent -o jsonpath='{.spec.template.spec.containers[0].resources.limits.memory}')
-    [[ "$lim" == 320Mi ]] && break
-    sleep 2
-  done
-  [[ "$lim" == 320Mi ]] || die "the commit did not reach the cluster (limit $lim)"
-  log "commit reached the destination in $((SECONDS - t0)) s: flotilla-agent memory limit $lim"
+  wait_limit 320Mi "the commit did not reach the cluster"
+  log "commit reached the destination in $((SECONDS - t0)) s: flotilla-agent memory limit 320Mi"
 
   if [[ "$FED" == 1 ]]; then
     wait_synced $FED_APP 300 "$rev2"
@@ -384,13 +389,8 @@ prove() {
   dk -n flotilla-system patch deploy flotilla-agent --type json \
     -p '[{"op":"replace","path":"/spec/template/spec/containers/0/resources/limits/memory","value":"999Mi"}]' >/dev/null
   t0=$SECONDS
-  for _ in $(seq 1 60); do
-    lim=$(dk -n flotilla-system get deploy flotilla-agent -o jsonpath='{.spec.template.spec.containers[0].resources.limits.memory}')
-    [[ "$lim" == 320Mi ]] && break
-    sleep 2
-  done
-  [[ "$lim" == 320Mi ]] || die "selfHeal did not revert a hand edit (limit $lim)"
-  log "selfHeal reverted a hand edit (999Mi -> $lim) in $((SECONDS - t0)) s"
+  wait_limit 320Mi "selfHeal did not revert a hand edit"
+  log "selfHeal reverted a hand edit (999Mi -> 320Mi) in $((SECONDS - t0)) s"
   wait_synced $APP 120 "$rev2"
   log "PASS"
 }

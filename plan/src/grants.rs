@@ -19,9 +19,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use flotilla_crds::ClusterGrant;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::ResourceExt;
-use kube::core::SelectorExt;
+use kube::core::{Selector, SelectorExt};
 
-use crate::placement::{Labels, Members, parse_selector};
+use crate::placement::{Labels, Members, SelectorError, parse_selector};
 
 /// One ClusterGrant as planning reads it.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,7 +37,34 @@ pub struct Grants {
     /// A namespace without a grant places nowhere (`--require-namespace-grant`).
     pub required: bool,
     /// namespace → its grants, by name.
-    by_namespace: BTreeMap<String, Vec<Grant>>,
+    by_namespace: BTreeMap<String, Vec<Parsed>>,
+}
+
+/// One grant with its selector parsed once, when the grants are read.
+#[derive(Debug, Clone, PartialEq)]
+struct Parsed {
+    grant: Grant,
+    /// `None` without a selector; an invalid one (`Some(Err)`) selects nothing, and the
+    /// error names its field as [`Grants::invalid`] reports it.
+    selector: Option<Result<Selector, SelectorError>>,
+}
+
+impl Parsed {
+    fn new(namespace: &str, grant: Grant) -> Self {
+        let field = format!(
+            "ClusterGrant {namespace}/{}: spec.clusterSelector",
+            grant.name
+        );
+        let selector = grant.selector.as_ref().map(|s| parse_selector(s, &field));
+        Self { grant, selector }
+    }
+
+    /// Whether this grant takes the cluster `name`: it names it, or its (valid)
+    /// selector matches one of `labels`.
+    fn takes<'a>(&self, name: &str, labels: impl IntoIterator<Item = &'a Labels>) -> bool {
+        self.grant.clusters.contains(name)
+            || matches!(&self.selector, Some(Ok(s)) if labels.into_iter().any(|l| s.matches(l)))
+    }
 }
 
 /// What a namespace may place on.
@@ -72,20 +99,22 @@ pub enum NothingGranted {
 impl Grants {
     /// The grants of `objects` (those being deleted are withdrawn already).
     pub fn new<'a>(required: bool, objects: impl IntoIterator<Item = &'a ClusterGrant>) -> Self {
-        let mut by_namespace: BTreeMap<String, Vec<Grant>> = BTreeMap::new();
+        let mut by_namespace: BTreeMap<String, Vec<Parsed>> = BTreeMap::new();
         for g in objects {
             if g.metadata.deletion_timestamp.is_some() {
                 continue;
             }
             let namespace = g.namespace().unwrap_or_else(|| "default".into());
-            by_namespace.entry(namespace).or_default().push(Grant {
+            let grant = Grant {
                 name: g.name_any(),
                 clusters: g.spec.clusters.iter().cloned().collect(),
                 selector: g.spec.cluster_selector.clone(),
-            });
+            };
+            let parsed = Parsed::new(&namespace, grant);
+            by_namespace.entry(namespace).or_default().push(parsed);
         }
         for grants in by_namespace.values_mut() {
-            grants.sort_by(|a, b| a.name.cmp(&b.name));
+            grants.sort_by(|a, b| a.grant.name.cmp(&b.grant.name));
         }
         Self {
             required,
@@ -103,21 +132,13 @@ impl Grants {
         };
         let mut clusters = BTreeSet::new();
         for grant in grants {
-            let named = grant.clusters.iter().filter(|c| members.contains_key(*c));
-            clusters.extend(named.cloned());
-            let field = format!(
-                "ClusterGrant {namespace}/{}: spec.clusterSelector",
-                grant.name
-            );
-            let Some(Ok(selector)) = grant.selector.as_ref().map(|s| parse_selector(s, &field))
-            else {
-                continue;
-            };
-            let selected = members.iter().filter(|(_, m)| selector.matches(&m.labels));
-            clusters.extend(selected.map(|(name, _)| name.clone()));
+            let taken = members
+                .iter()
+                .filter(|(name, m)| grant.takes(name, [&m.labels]));
+            clusters.extend(taken.map(|(name, _)| name.clone()));
         }
         if clusters.is_empty() {
-            let names: Vec<&str> = grants.iter().map(|g| g.name.as_str()).collect();
+            let names: Vec<&str> = grants.iter().map(|g| g.grant.name.as_str()).collect();
             return Err(NothingGranted::NoneMatch(
                 namespace.to_owned(),
                 names.join(", "),
@@ -139,13 +160,19 @@ impl Grants {
         let Some(grants) = self.by_namespace.get(namespace) else {
             return false;
         };
-        grants.iter().any(|grant| {
-            let selector = grant.selector.as_ref().map(|s| parse_selector(s, ""));
-            grant.clusters.contains(name)
-                || selector.is_some_and(|s| {
-                    s.is_ok_and(|s| labels.clone().into_iter().any(|l| s.matches(l)))
-                })
-        })
+        grants.iter().any(|g| g.takes(name, labels.clone()))
+    }
+
+    /// The namespaces a grant of which takes the cluster `name` ([`Grants::may_take`]),
+    /// in name order.
+    pub fn taking<'a>(
+        &self,
+        name: &str,
+        labels: impl IntoIterator<Item = &'a Labels> + Clone,
+    ) -> impl Iterator<Item = &str> {
+        (self.by_namespace.iter())
+            .filter(move |(_, grants)| grants.iter().any(|g| g.takes(name, labels.clone())))
+            .map(|(namespace, _)| namespace.as_str())
     }
 
     /// The namespaces whose grants differ between `self` and `other`.
@@ -171,15 +198,9 @@ impl Grants {
     /// The grants whose selector is invalid (they grant nothing by it): `(field, why)`.
     pub fn invalid(&self) -> Vec<(String, String)> {
         let mut out = Vec::new();
-        for (namespace, grants) in &self.by_namespace {
-            for grant in grants {
-                let field = format!(
-                    "ClusterGrant {namespace}/{}: spec.clusterSelector",
-                    grant.name
-                );
-                if let Some(Err(e)) = grant.selector.as_ref().map(|s| parse_selector(s, &field)) {
-                    out.push((e.field, e.reason));
-                }
+        for grant in self.by_namespace.values().flatten() {
+            if let Some(Err(e)) = &grant.selector {
+                out.push((e.field.clone(), e.reason.clone()));
             }
         }
         out

@@ -341,7 +341,8 @@ impl Planner {
     /// moved cluster only if its placement ([`may_place`]) or a grant of its namespace
     /// ([`Grants::may_take`]) takes that cluster before or after the move, or if it
     /// could not be planned at all, since such a plan keeps every registered cluster
-    /// ([`AppPlan::placement_error`]).
+    /// ([`AppPlan::placement_error`]). The namespaces whose grants take a moved cluster
+    /// are found once per change ([`Grants::taking`]), not once per app.
     fn plan_for_shape(
         &mut self,
         apps: &impl Apps,
@@ -360,15 +361,17 @@ impl Planner {
             // Every app is planned with these grants.
             self.grants = grants.clone();
         }
+        // The namespaces a grant of which takes a moved cluster before or after its move.
+        let taken: BTreeSet<&str> = (moved.iter().flatten())
+            .flat_map(|m| grants.taking(m.name, m.labels()))
+            .collect();
         let mut planned = HashSet::new();
         for app in apps.all() {
             let key = key_of(&app);
             let affected = moved.as_ref().is_none_or(|moved| {
                 self.unplanned.contains(&key)
-                    || moved.iter().any(|m| {
-                        may_place(&app.spec.placement, m)
-                            || grants.may_take(&key.namespace, m.name, m.labels())
-                    })
+                    || taken.contains(key.namespace.as_str())
+                    || moved.iter().any(|m| may_place(&app.spec.placement, m))
             });
             if affected {
                 self.plan_app(&app, (members, grants), now, fx);
