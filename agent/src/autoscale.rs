@@ -11,12 +11,12 @@
 //! The cache may lag the apiserver by a watch event; whoever is about to overwrite
 //! replicas that someone else set asks [`Autoscalers::of_fresh`], which lists them.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 
-use flotilla_common::listed::{self, Listed};
-use futures::StreamExt;
+use flotilla_common::listed::{self, Listed, NeverListed};
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use kube::api::ListParams;
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -82,8 +82,9 @@ pub fn scaled_by(hpa: &HorizontalPodAutoscaler) -> Option<(Key, Autoscaler)> {
 #[derive(Clone)]
 pub struct Autoscalers {
     client: Client,
-    store: Store<HorizontalPodAutoscaler>,
-    pub listed: Listed,
+    /// One store per namespace watched, or one of every namespace.
+    stores: Arc<[Store<HorizontalPodAutoscaler>]>,
+    listed: Vec<Listed>,
     changes: broadcast::Sender<Key>,
 }
 
@@ -91,13 +92,23 @@ impl Autoscalers {
     /// The autoscaler of the MyApp at `key`, as the cache shows it. With several (a
     /// misconfiguration the HPA controller refuses too), the first by name.
     pub fn of(&self, key: &Key) -> Option<Autoscaler> {
-        first(self.store.state().iter().map(|hpa| &**hpa), key)
+        let hpas = self.stores.iter().flat_map(Store::state);
+        first(hpas.collect::<Vec<_>>().iter().map(|hpa| &**hpa), key)
+    }
+
+    /// Resolves once every namespace watched has been listed.
+    pub async fn listed(&self) -> Result<(), NeverListed> {
+        for listed in &self.listed {
+            listed.wait().await?;
+        }
+        Ok(())
     }
 
     /// The HorizontalPodAutoscaler [`Autoscalers::of`] names, as the cache shows it.
     pub fn hpa_of(&self, key: &Key) -> Option<Arc<HorizontalPodAutoscaler>> {
         let autoscaler = self.of(key)?;
-        (self.store).get(&ObjectRef::new(&autoscaler.name).within(&key.namespace))
+        let reference = ObjectRef::new(&autoscaler.name).within(&key.namespace);
+        self.stores.iter().find_map(|store| store.get(&reference))
     }
 
     /// The autoscaler of the MyApp at `key`, listed from the apiserver: asked before
@@ -125,80 +136,98 @@ fn first<'a>(
         .min_by(|a, b| a.name.cmp(&b.name))
 }
 
-/// Watches HPAs in every namespace; the future runs the watch.
-pub fn watch(client: Client) -> (Autoscalers, impl Future<Output = ()>) {
-    let (store, writer) = reflector::store::<HorizontalPodAutoscaler>();
+/// Watches HPAs in `namespaces`, or in every namespace without them (a reflector each:
+/// see [`crate::cache`]); the future runs the watches.
+pub fn watch(
+    client: Client,
+    namespaces: Option<&BTreeSet<String>>,
+) -> (Autoscalers, impl Future<Output = ()> + use<>) {
     let (changes, _) = broadcast::channel(256);
-    let api = Api::<HorizontalPodAutoscaler>::all(client.clone());
-    let (stream, listed) = listed::track(
-        reflector::reflector(writer, watcher(api, watcher::Config::default())).default_backoff(),
-    );
-    let feed = changes.clone();
-    let run = async move {
-        // What each HPA scaled when last seen: a changed or deleted one changes that
-        // MyApp too.
-        let mut scaled: HashMap<ObjectRef<HorizontalPodAutoscaler>, Key> = HashMap::new();
-        // The HPAs a re-list shows: one deleted during a watch gap is missing from it.
-        let mut relisted: HashSet<ObjectRef<HorizontalPodAutoscaler>> = HashSet::new();
-        let mut stream = std::pin::pin!(stream);
-        while let Some(event) = stream.next().await {
-            let event = match event {
-                Ok(event) => event,
-                Err(e) => {
-                    warn!(error = %e, "watching HorizontalPodAutoscalers");
-                    continue;
-                }
-            };
-            let (hpa, deleted) = match event {
-                watcher::Event::Apply(hpa) => (hpa, false),
-                watcher::Event::InitApply(hpa) => {
-                    relisted.insert(ObjectRef::from_obj(&hpa));
-                    (hpa, false)
-                }
-                watcher::Event::Delete(hpa) => (hpa, true),
-                watcher::Event::Init => {
-                    relisted.clear();
-                    continue;
-                }
-                watcher::Event::InitDone => {
-                    let gone: Vec<_> = scaled
-                        .keys()
-                        .filter(|r| !relisted.contains(*r))
-                        .cloned()
-                        .collect();
-                    for reference in gone {
-                        if let Some(key) = scaled.remove(&reference) {
-                            let _ = feed.send(key);
-                        }
-                    }
-                    continue;
-                }
-            };
-            let reference = ObjectRef::from_obj(&hpa);
-            let now = (!deleted).then(|| scaled_by(&hpa)).flatten();
-            let before = match &now {
-                Some((key, _)) => scaled.insert(reference, key.clone()),
-                None => scaled.remove(&reference),
-            };
-            if let Some((key, autoscaler)) = &now
-                && before.as_ref() != Some(key)
-            {
-                info!(app = %key, "{autoscaler}: its replicas are the autoscaler's");
-            }
-            for key in before.into_iter().chain(now.map(|(key, _)| key)) {
-                let _ = feed.send(key);
-            }
-        }
+    let apis: Vec<Api<HorizontalPodAutoscaler>> = match namespaces {
+        None => vec![Api::all(client.clone())],
+        Some(namespaces) => (namespaces.iter())
+            .map(|n| Api::namespaced(client.clone(), n))
+            .collect(),
     };
-    (
-        Autoscalers {
-            client,
-            store,
-            listed,
-            changes,
-        },
-        run,
-    )
+    let (mut stores, mut listed, mut runs) = (Vec::new(), Vec::new(), Vec::new());
+    for api in apis {
+        let (store, writer) = reflector::store::<HorizontalPodAutoscaler>();
+        let (stream, done) = listed::track(
+            reflector::reflector(writer, watcher(api, watcher::Config::default()))
+                .default_backoff(),
+        );
+        runs.push(follow(stream, changes.clone()));
+        stores.push(store);
+        listed.push(done);
+    }
+    let autoscalers = Autoscalers {
+        client,
+        stores: stores.into(),
+        listed,
+        changes,
+    };
+    (autoscalers, futures::future::join_all(runs).map(drop))
+}
+
+/// Feeds the MyApps whose autoscaler appeared, changed or went away, from one watch.
+async fn follow(
+    stream: impl futures::Stream<Item = Result<watcher::Event<HorizontalPodAutoscaler>, watcher::Error>>,
+    feed: broadcast::Sender<Key>,
+) {
+    // What each HPA scaled when last seen: a changed or deleted one changes that MyApp
+    // too.
+    let mut scaled: HashMap<ObjectRef<HorizontalPodAutoscaler>, Key> = HashMap::new();
+    // The HPAs a re-list shows: one deleted during a watch gap is missing from it.
+    let mut relisted: HashSet<ObjectRef<HorizontalPodAutoscaler>> = HashSet::new();
+    let mut stream = std::pin::pin!(stream);
+    while let Some(event) = stream.next().await {
+        let event = match event {
+            Ok(event) => event,
+            Err(e) => {
+                warn!(error = %e, "watching HorizontalPodAutoscalers");
+                continue;
+            }
+        };
+        let (hpa, deleted) = match event {
+            watcher::Event::Apply(hpa) => (hpa, false),
+            watcher::Event::InitApply(hpa) => {
+                relisted.insert(ObjectRef::from_obj(&hpa));
+                (hpa, false)
+            }
+            watcher::Event::Delete(hpa) => (hpa, true),
+            watcher::Event::Init => {
+                relisted.clear();
+                continue;
+            }
+            watcher::Event::InitDone => {
+                let gone: Vec<_> = scaled
+                    .keys()
+                    .filter(|r| !relisted.contains(*r))
+                    .cloned()
+                    .collect();
+                for reference in gone {
+                    if let Some(key) = scaled.remove(&reference) {
+                        let _ = feed.send(key);
+                    }
+                }
+                continue;
+            }
+        };
+        let reference = ObjectRef::from_obj(&hpa);
+        let now = (!deleted).then(|| scaled_by(&hpa)).flatten();
+        let before = match &now {
+            Some((key, _)) => scaled.insert(reference, key.clone()),
+            None => scaled.remove(&reference),
+        };
+        if let Some((key, autoscaler)) = &now
+            && before.as_ref() != Some(key)
+        {
+            info!(app = %key, "{autoscaler}: its replicas are the autoscaler's");
+        }
+        for key in before.into_iter().chain(now.map(|(key, _)| key)) {
+            let _ = feed.send(key);
+        }
+    }
 }
 
 #[cfg(test)]

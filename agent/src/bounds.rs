@@ -190,7 +190,7 @@ pub async fn run(
 ) {
     let mut apps = managed.changes.subscribe();
     let mut scaled = autoscalers.subscribe();
-    if managed.listed().await.is_err() || autoscalers.listed.wait().await.is_err() {
+    if managed.listed().await.is_err() || autoscalers.listed().await.is_err() {
         return;
     }
     let bounder = Bounder {

@@ -26,7 +26,7 @@ pub const RETRY: Duration = Duration::from_secs(5);
 pub async fn run(client: Client, managed: Managed, autoscalers: Autoscalers) {
     let mut apps = managed.changes.subscribe();
     let mut scaled = autoscalers.subscribe();
-    if managed.listed().await.is_err() || autoscalers.listed.wait().await.is_err() {
+    if managed.listed().await.is_err() || autoscalers.listed().await.is_err() {
         return;
     }
     let mut retries = DelayQueue::new();

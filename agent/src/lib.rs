@@ -49,7 +49,7 @@ fn unreachable_client() -> kube::Client {
 /// An index of autoscalers that never lists (its watch is not run): it knows of none.
 #[cfg(test)]
 fn no_autoscalers() -> autoscale::Autoscalers {
-    autoscale::watch(unreachable_client()).0
+    autoscale::watch(unreachable_client(), None).0
 }
 
 /// A listed cache holding managed MyApps `ns/<name>` for each of `names`.

@@ -112,7 +112,8 @@ pub async fn serve(
         );
     }
     let act = move |stop: CancellationToken| {
-        let (autoscalers, autoscalers_watch) = autoscale::watch(client.clone());
+        let (autoscalers, autoscalers_watch) =
+            autoscale::watch(client.clone(), scope.autoscaler_namespaces().as_ref());
         let hub = hub_session(
             client.clone(),
             session.clone(),

@@ -28,7 +28,7 @@
 //! agent would apply are read: a namespace the tenancy policy forbids, or outside the
 //! operator's `--namespace`, is refused.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -237,6 +237,20 @@ impl Scope {
             Some(policy) => policy.check(namespace).map_err(|f| f.to_string()),
             None => Ok(()),
         }
+    }
+
+    /// The namespaces whose HorizontalPodAutoscalers the agent watches: those of the
+    /// MyApps its operator reconciles and those its session may apply; `None` for every
+    /// namespace.
+    pub fn autoscaler_namespaces(&self) -> Option<BTreeSet<String>> {
+        let Namespaces::Only(operator) = &self.operator else {
+            return None;
+        };
+        let mut namespaces: BTreeSet<String> = operator.iter().cloned().collect();
+        if let Some(policy) = &self.tenancy {
+            namespaces.extend(policy.allowed()?.iter().cloned());
+        }
+        Some(namespaces)
     }
 }
 
@@ -655,5 +669,25 @@ mod tests {
             tenancy: None,
         };
         assert!(open.admits("anywhere").is_ok());
+    }
+
+    /// HPAs are watched where the operator reconciles MyApps and where the session may
+    /// apply them: everywhere as soon as either is everywhere.
+    #[test]
+    fn autoscalers_are_watched_where_the_operator_or_the_session_acts() {
+        let only = |n: &[&str]| Namespaces::Only(n.iter().map(|s| s.to_string()).collect());
+        let allowing = |n: &[&str]| Some(NamespacePolicy::default().allowing_only(n));
+        let set = |n: &[&str]| Some(n.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>());
+        let cases = [
+            (Namespaces::All, allowing(&["a"]), None),
+            (only(&["a"]), None, set(&["a"])),
+            (only(&["a"]), Some(NamespacePolicy::default()), None),
+            (only(&["a"]), allowing(&["a"]), set(&["a"])),
+            (only(&["a"]), allowing(&["b", "c"]), set(&["a", "b", "c"])),
+        ];
+        for (operator, tenancy, want) in cases {
+            let scope = Scope { operator, tenancy };
+            assert_eq!(scope.autoscaler_namespaces(), want, "{scope:?}");
+        }
     }
 }

@@ -169,7 +169,7 @@ async fn one_session(
     let mut hub = dial(client, config).await?;
     let _ = managed.listed().await;
     // Nothing is applied before the autoscalers are known: it could take their replicas.
-    let _ = autoscalers.listed.wait().await;
+    let _ = autoscalers.listed().await;
     // Subscribed before the list in Hello, so that no change falls between them.
     let changes = managed.changes.subscribe();
     let scaled = autoscalers.subscribe();

@@ -180,17 +180,17 @@ async fn manifests_pass_a_server_side_dry_run() -> Result<()> {
 async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
     use k8s_openapi::api::apps::v1::Deployment;
     use k8s_openapi::api::core::v1::Secret;
-    use kube::api::{Api, DeleteParams, Patch, PatchParams};
-    use serde_json::{Value, json};
+    use kube::api::Api;
 
     const NAME: &str = "joined-e2e";
     let _one = ONE_AT_A_TIME.lock().await;
-    let env = Env::load_ready().await?;
-    let f = Federation::load(&env)?;
-    let host = env.kubeconfig(env.host())?.to_path_buf();
-    let host_client = env.client(env.host()).await?;
-    let dir = env.dir.join("federation").join(NAME);
-    std::fs::create_dir_all(&dir)?;
+    let OnHost {
+        env,
+        f,
+        host,
+        host_client,
+        dir,
+    } = on_host(NAME).await?;
     let file = dir.join("install.yaml");
     let grpc = f.hub_grpc.trim_start_matches("https://").to_owned();
     f.hub_cli(&env)?.run(&[
@@ -239,45 +239,10 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
             &ca_file,
             &data.get("ca.crt").context("the Secret has no ca.crt")?.0,
         )?;
-        let (http, webhook, scaler) = (
-            flotilla_lab::support::free_addr()?,
-            flotilla_lab::support::free_addr()?,
-            flotilla_lab::support::free_addr()?,
-        );
-        let args: Vec<String> = container
-            .args
-            .clone()
-            .unwrap_or_default()
-            .into_iter()
-            .map(|a| match a.split_once('=') {
-                Some(("--token-file", _)) => format!("--token-file={}", token_file.display()),
-                Some(("--hub-ca-file", _)) => format!("--hub-ca-file={}", ca_file.display()),
-                Some(("--http-addr", _)) => format!("--http-addr={http}"),
-                Some(("--webhook-addr", _)) => format!("--webhook-addr={webhook}"),
-                Some(("--scaler-addr", _)) => format!("--scaler-addr={scaler}"),
-                _ => a,
-            })
-            .collect();
+        let args = local_args(container.args.clone(), &token_file, &ca_file)?;
         // Its identity: a token of the ServiceAccount the stream created.
-        let sa_token = run(
-            &kubectl(),
-            &[
-                "create",
-                "token",
-                "flotilla-agent",
-                "-n",
-                "flotilla-system",
-                "--duration=1h",
-            ],
-            &host,
-            None,
-        )?;
-        let mut kubeconfig: Value = serde_yaml::from_str(&std::fs::read_to_string(&host)?)?;
-        for user in kubeconfig["users"].as_array_mut().context("users")? {
-            user["user"] = json!({"token": sa_token.trim()});
-        }
         let sa_kubeconfig = dir.join("kubeconfig.yaml");
-        std::fs::write(&sa_kubeconfig, serde_yaml::to_string(&kubeconfig)?)?;
+        service_account_kubeconfig(&host, "flotilla-system/flotilla-agent", &sa_kubeconfig)?;
         // Its rights on Secrets: its credentials Secret read and patched (a renewed token is
         // stored there), no other Secret, and nothing else done to that one.
         for (verb, resource, want) in [
@@ -297,59 +262,8 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
                 "the agent's ServiceAccount: can-i {verb} {resource} says {got:?}, want {want:?}"
             );
         }
-        let program = &f.components[&flotilla_lab::federation::agent_name("cluster1")].program;
-        let mut cmd = std::process::Command::new(program);
-        cmd.args(&args)
-            .env("KUBECONFIG", &sa_kubeconfig)
-            .env("POD_NAMESPACE", "flotilla-system")
-            .env("FLOTILLA_LEADER_ELECT", "true");
-        let agent = env.spawn(&format!("agent-{NAME}"), &mut cmd)?;
-        let outcome = async {
-            flotilla_lab::federation::wait_member_ready(
-                &host_client,
-                NAME,
-                true,
-                std::time::Duration::from_secs(60),
-            )
-            .await?;
-            let app = json!({
-                "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
-                "metadata": {"name": "joined-app", "namespace": "default"},
-                "spec": {"placement": {"clusters": [{"name": NAME}]},
-                         "template": {"spec": {"replicas": 2, "image": "nginx:1.27"}}},
-            });
-            let fedapps: Api<flotilla_crds::FederatedMyApp> =
-                Api::namespaced(host_client.clone(), "default");
-            fedapps
-                .patch(
-                    "joined-app",
-                    &PatchParams::apply("e2e"),
-                    &Patch::Apply(&app),
-                )
-                .await?;
-            let myapps: Api<flotilla_crds::MyApp> = Api::namespaced(host_client.clone(), "default");
-            flotilla_lab::await_object(
-                &myapps,
-                "joined-app",
-                std::time::Duration::from_secs(60),
-                "joined-app in the joined cluster",
-                |a: Option<&flotilla_crds::MyApp>| a.is_some_and(|a| a.spec.replicas == Some(2)),
-            )
-            .await?;
-            let _ = fedapps.delete("joined-app", &DeleteParams::default()).await;
-            flotilla_lab::wait_for(
-                std::time::Duration::from_secs(60),
-                "joined-app deleted everywhere",
-                || async {
-                    Ok((fedapps.get_opt("joined-app").await?.is_none()
-                        && myapps.get_opt("joined-app").await?.is_none())
-                    .then_some(()))
-                },
-            )
-            .await?;
-            anyhow::Ok(())
-        }
-        .await;
+        let agent = spawn_agent(&env, &f, NAME, &args, &sa_kubeconfig, "flotilla-system")?;
+        let outcome = place_and_delete(&host_client, NAME, "default", "joined-app").await;
         let stopped = agent.stop(std::time::Duration::from_secs(10));
         let _ = flotilla_lab::process::forget(&env.dir, &agent.name);
         outcome?;
@@ -358,20 +272,149 @@ async fn a_cluster_joins_with_the_join_output_alone() -> Result<()> {
     .await;
     let removed = f.hub_cli(&env)?.run(&["unjoin", NAME]);
     // The stream pointed the host's MyApp CRD at an agent Service that has no Pods here.
-    let restore = match conversion_before.as_ref().map(|c| c.strategy.as_str()) {
-        Some("Webhook") => json!({"spec": {"conversion": conversion_before}}),
-        _ => json!({"spec": {"conversion": {"strategy": "None", "webhook": null}}}),
-    };
-    let restored = crds
-        .patch(
-            "myapps.app.example.com",
-            &PatchParams::default(),
-            &Patch::Merge(&restore),
-        )
-        .await;
+    let restored = restore_conversion(&crds, conversion_before).await;
     result?;
     removed?;
     restored?;
+    Ok(())
+}
+
+/// The host's side of a test that runs an agent of its own there, as cluster `name`.
+struct OnHost {
+    env: Env,
+    f: Federation,
+    host: PathBuf,
+    host_client: kube::Client,
+    /// The test's files.
+    dir: PathBuf,
+}
+
+async fn on_host(name: &str) -> Result<OnHost> {
+    let env = Env::load_ready().await?;
+    let f = Federation::load(&env)?;
+    let host = env.kubeconfig(env.host())?.to_path_buf();
+    let host_client = env.client(env.host()).await?;
+    let dir = env.dir.join("federation").join(name);
+    std::fs::create_dir_all(&dir)?;
+    Ok(OnHost {
+        env,
+        f,
+        host,
+        host_client,
+        dir,
+    })
+}
+
+/// Puts the host's MyApp CRD's conversion back as it was before an agent under test
+/// pointed it at its own Service (which has no Pods here).
+async fn restore_conversion(
+    crds: &Api<CustomResourceDefinition>,
+    before: Option<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceConversion>,
+) -> Result<()> {
+    use kube::api::{Patch, PatchParams};
+    let restore = match before.as_ref().map(|c| c.strategy.as_str()) {
+        Some("Webhook") => serde_json::json!({"spec": {"conversion": before}}),
+        _ => serde_json::json!({"spec": {"conversion": {"strategy": "None", "webhook": null}}}),
+    };
+    let patch = Patch::Merge(&restore);
+    crds.patch("myapps.app.example.com", &PatchParams::default(), &patch)
+        .await?;
+    Ok(())
+}
+
+/// A Deployment's agent arguments for a local process: its files and listen addresses
+/// replaced by local ones (the token file only where it reads one).
+fn local_args(args: Option<Vec<String>>, token_file: &Path, ca_file: &Path) -> Result<Vec<String>> {
+    let (http, webhook, scaler) = (
+        flotilla_lab::support::free_addr()?,
+        flotilla_lab::support::free_addr()?,
+        flotilla_lab::support::free_addr()?,
+    );
+    let local = (args.unwrap_or_default().into_iter())
+        .map(|a| match a.split_once('=') {
+            Some(("--token-file", _)) => format!("--token-file={}", token_file.display()),
+            Some(("--hub-ca-file", _)) => format!("--hub-ca-file={}", ca_file.display()),
+            Some(("--http-addr", _)) => format!("--http-addr={http}"),
+            Some(("--webhook-addr", _)) => format!("--webhook-addr={webhook}"),
+            Some(("--scaler-addr", _)) => format!("--scaler-addr={scaler}"),
+            _ => a,
+        })
+        .collect();
+    Ok(local)
+}
+
+/// Writes to `file` a kubeconfig of `host`'s cluster that authenticates as the
+/// ServiceAccount `account` (`namespace/name`), with a token of it.
+fn service_account_kubeconfig(host: &Path, account: &str, file: &Path) -> Result<()> {
+    let (namespace, name) = account.split_once('/').context("namespace/name")?;
+    let token = run(
+        &kubectl(),
+        &["create", "token", name, "-n", namespace, "--duration=1h"],
+        host,
+        None,
+    )?;
+    let mut kubeconfig: serde_json::Value = serde_yaml::from_str(&std::fs::read_to_string(host)?)?;
+    for user in kubeconfig["users"].as_array_mut().context("users")? {
+        user["user"] = serde_json::json!({"token": token.trim()});
+    }
+    std::fs::write(file, serde_yaml::to_string(&kubeconfig)?)?;
+    Ok(())
+}
+
+/// Runs the e2e's agent binary as `flotilla-agent` of `namespace` would, with `args`
+/// and the identity in `kubeconfig`.
+fn spawn_agent(
+    env: &Env,
+    f: &Federation,
+    cluster: &str,
+    args: &[String],
+    kubeconfig: &Path,
+    namespace: &str,
+) -> Result<flotilla_lab::process::ProcessRecord> {
+    let program = &f.components[&flotilla_lab::federation::agent_name("cluster1")].program;
+    let mut cmd = std::process::Command::new(program);
+    cmd.args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .env("POD_NAMESPACE", namespace)
+        .env("FLOTILLA_LEADER_ELECT", "true");
+    env.spawn(&format!("agent-{cluster}"), &mut cmd)
+}
+
+/// Once `cluster` is Ready, places `namespace/name` on it alone, waits for its MyApp on
+/// the host (where the agent under test writes), deletes it and waits until both are
+/// gone.
+async fn place_and_delete(
+    host: &kube::Client,
+    cluster: &str,
+    namespace: &str,
+    name: &str,
+) -> Result<()> {
+    use kube::api::{DeleteParams, Patch, PatchParams};
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+    flotilla_lab::federation::wait_member_ready(host, cluster, true, WAIT).await?;
+    let app = serde_json::json!({
+        "apiVersion": "core.kubefed.io/v1beta1", "kind": "FederatedMyApp",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"placement": {"clusters": [{"name": cluster}]},
+                 "template": {"spec": {"replicas": 2, "image": "nginx:1.27"}}},
+    });
+    let fedapps: Api<flotilla_crds::FederatedMyApp> = Api::namespaced(host.clone(), namespace);
+    fedapps
+        .patch(name, &PatchParams::apply("e2e"), &Patch::Apply(&app))
+        .await?;
+    let myapps: Api<flotilla_crds::MyApp> = Api::namespaced(host.clone(), namespace);
+    let what = format!("{namespace}/{name} in cluster {cluster}");
+    let applied = |a: Option<&flotilla_crds::MyApp>| a.is_some_and(|a| a.spec.replicas == Some(2));
+    flotilla_lab::await_object(&myapps, name, WAIT, &what, applied).await?;
+    let _ = fedapps.delete(name, &DeleteParams::default()).await;
+    let what = format!("{namespace}/{name} deleted everywhere");
+    flotilla_lab::wait_for(WAIT, &what, || async {
+        Ok(
+            (fedapps.get_opt(name).await?.is_none() && myapps.get_opt(name).await?.is_none())
+                .then_some(()),
+        )
+    })
+    .await?;
     Ok(())
 }
 
@@ -388,9 +431,10 @@ fn merged(rights: impl IntoIterator<Item = Right>) -> BTreeSet<Right> {
     by.into_iter().map(|((r, n), v)| (r, n, v)).collect()
 }
 
-/// The rights docs/security.md's RBAC table under `heading` documents in `namespace`
-/// (rows of scope `cluster`, and of that namespace).
-fn documented(heading: &str, namespace: &str) -> Result<BTreeSet<Right>> {
+/// The rights docs/security.md's RBAC table under `heading` documents in the namespace
+/// the table calls `namespace`: rows of scope `cluster`, of that namespace, and of scope
+/// `MyApp namespaces` when `myapps` (an install that grants them there).
+fn documented(heading: &str, namespace: &str, myapps: bool) -> Result<BTreeSet<Right>> {
     let docs = std::fs::read_to_string(workspace_root().join("docs/security.md"))?;
     let section = docs
         .split("\n### ")
@@ -400,7 +444,11 @@ fn documented(heading: &str, namespace: &str) -> Result<BTreeSet<Right>> {
         .lines()
         .filter(|l| l.starts_with("| ") && !l.starts_with("| Resource") && !l.starts_with("|---"))
         .map(|l| l.split('|').map(str::trim).collect::<Vec<_>>())
-        .filter(|cells| cells[4] == "cluster" || cells[4] == namespace)
+        .filter(|cells| {
+            cells[4] == "cluster"
+                || cells[4] == namespace
+                || (myapps && cells[4] == "MyApp namespaces")
+        })
         .map(|cells| {
             let verbs = cells[3].split_whitespace().map(str::to_owned).collect();
             (cells[1].to_owned(), cells[2].to_owned(), verbs)
@@ -408,11 +456,14 @@ fn documented(heading: &str, namespace: &str) -> Result<BTreeSet<Right>> {
     Ok(merged(rows))
 }
 
-/// What `account` of flotilla-system may do in `namespace`, as the apiserver answers
-/// `kubectl auth can-i --list` (by impersonation), without what every authenticated
-/// user may (the self-reviews, the discovery URLs).
+/// What ServiceAccount `account` (`namespace/name`) may do in `namespace`, as the
+/// apiserver answers `kubectl auth can-i --list` (by impersonation), without what every
+/// authenticated user may (the self-reviews, the discovery URLs).
 fn granted(kubeconfig: &Path, account: &str, namespace: &str) -> Result<BTreeSet<Right>> {
-    let who = format!("--as=system:serviceaccount:flotilla-system:{account}");
+    let who = format!(
+        "--as=system:serviceaccount:{}",
+        account.replacen('/', ":", 1)
+    );
     let out = run(
         &kubectl(),
         &["auth", "can-i", "--list", &who, "-n", namespace],
@@ -458,38 +509,202 @@ async fn service_accounts_hold_exactly_the_documented_rights() -> Result<()> {
         &member,
         None,
     )?;
-    let rbac = flotilla_e2e::of_kinds(
-        &built,
-        &[
-            "Namespace",
-            "ServiceAccount",
-            "Role",
-            "RoleBinding",
-            "ClusterRole",
-            "ClusterRoleBinding",
-        ],
-    )?;
-    run(
-        &kubectl(),
-        &["apply", "-f", "-"],
-        &member,
-        Some(rbac.as_bytes()),
-    )?;
+    apply_identity(&member, &built, "Namespace")?;
 
     for (heading, kubeconfig, account) in [
-        ("The hub ", &host, "flotilla-hub"),
-        ("The agent ", &member, "flotilla-agent"),
+        ("The hub ", &host, "flotilla-system/flotilla-hub"),
+        ("The agent ", &member, "flotilla-system/flotilla-agent"),
     ] {
         for namespace in ["flotilla-system", "default"] {
-            let want = documented(heading, namespace)?;
-            let got = granted(kubeconfig, account, namespace)?;
-            let missing: Vec<_> = want.difference(&got).collect();
-            let undocumented: Vec<_> = got.difference(&want).collect();
-            anyhow::ensure!(
-                missing.is_empty() && undocumented.is_empty(),
-                "{account} in {namespace}: documented but not granted {missing:?}; granted but not documented {undocumented:?}"
-            );
+            holds_exactly(heading, kubeconfig, account, (namespace, namespace), true)?;
         }
     }
+    Ok(())
+}
+
+/// Applies what of `manifests` makes an install's identity: its ServiceAccounts, roles
+/// and bindings, and the objects of kind `also`.
+fn apply_identity(kubeconfig: &Path, manifests: &str, also: &str) -> Result<()> {
+    let kinds = [
+        also,
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "ClusterRole",
+        "ClusterRoleBinding",
+    ];
+    let identity = flotilla_e2e::of_kinds(manifests, &kinds)?;
+    let apply = ["apply", "-f", "-"];
+    run(&kubectl(), &apply, kubeconfig, Some(identity.as_bytes())).map(drop)
+}
+
+/// `account` holds exactly the rights the table under `heading` documents in namespace
+/// `namespace.0` (which the table calls `namespace.1`); `myapps`: those of scope `MyApp
+/// namespaces` too.
+fn holds_exactly(
+    heading: &str,
+    kubeconfig: &Path,
+    account: &str,
+    (namespace, called): (&str, &str),
+    myapps: bool,
+) -> Result<()> {
+    let want = documented(heading, called, myapps)?;
+    let got = granted(kubeconfig, account, namespace)?;
+    let missing: Vec<_> = want.difference(&got).collect();
+    let undocumented: Vec<_> = got.difference(&want).collect();
+    anyhow::ensure!(
+        missing.is_empty() && undocumented.is_empty(),
+        "{account} in {namespace}: documented but not granted {missing:?}; granted but not documented {undocumented:?}"
+    );
+    Ok(())
+}
+
+/// Issue 20: the chart with `agent.allowedNamespaces` grants the agent its rights on
+/// MyApps and their children in those namespaces alone (docs/security.md, RBAC), and the
+/// agent runs on them: installed on the host (which runs no agent of its own) under a
+/// release namespace of its own, it holds exactly the documented rights in a listed
+/// namespace, in another one and in the release's; run with its ServiceAccount's token
+/// and the Deployment's own arguments, it joins, a FederatedMyApp placed on it reaches
+/// it and is deleted again, and its log holds no request the apiserver refused.
+#[tokio::test]
+async fn an_agent_narrowed_by_the_chart_runs_on_the_rights_of_its_namespaces() -> Result<()> {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::Namespace;
+    use kube::api::{DeleteParams, Patch, PatchParams};
+
+    const NAME: &str = "narrowed-e2e";
+    const RELEASE_NS: &str = "narrowed-agent";
+    const TEAM: &str = "narrowed-team";
+    let _one = ONE_AT_A_TIME.lock().await;
+    let OnHost {
+        env,
+        f,
+        host,
+        host_client,
+        dir,
+    } = on_host(NAME).await?;
+    let namespaces: Api<Namespace> = Api::all(host_client.clone());
+    for ns in [RELEASE_NS, TEAM] {
+        // An earlier run's namespace may still be terminating.
+        let what = format!("namespace {ns} not terminating");
+        flotilla_lab::wait_for(std::time::Duration::from_secs(120), &what, || async {
+            let found = namespaces.get_opt(ns).await?;
+            Ok(found
+                .is_none_or(|n| n.metadata.deletion_timestamp.is_none())
+                .then_some(()))
+        })
+        .await?;
+        let object =
+            serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
+        namespaces
+            .patch(ns, &PatchParams::apply("e2e"), &Patch::Apply(&object))
+            .await?;
+    }
+    let crds: Api<CustomResourceDefinition> = Api::all(host_client.clone());
+    let conversion_before = crds.get("myapps.app.example.com").await?.spec.conversion;
+    let token = dir.join("token");
+    let grpc = f.hub_grpc.trim_start_matches("https://").to_owned();
+    f.hub_cli(&env)?
+        .run(&["join", NAME, "--token-file", &token.to_string_lossy()])?;
+    let result = async {
+        let chart = run(
+            &cached("helm-")?.join("helm"),
+            &[
+                "template",
+                "narrowed",
+                "charts/flotilla",
+                "--namespace",
+                RELEASE_NS,
+                "--set",
+                "hub.enabled=false",
+                "--set",
+                "agent.enabled=true",
+                "--set",
+                &format!("agent.cluster={NAME}"),
+                "--set",
+                &format!("agent.hub.address={grpc}"),
+                "--set",
+                "agent.hub.serverName=localhost",
+                "--set-file",
+                &format!("agent.hub.token={}", token.display()),
+                "--set-file",
+                &format!("agent.hub.caCrt={}", f.hub_ca.display()),
+                "--set",
+                &format!("agent.allowedNamespaces={{{TEAM}}}"),
+            ],
+            &host,
+            None,
+        )?;
+        apply_identity(&host, &chart, "Secret")?;
+
+        let account = format!("{RELEASE_NS}/flotilla-agent");
+        let heading = "The agent ";
+        holds_exactly(heading, &host, &account, (TEAM, TEAM), true)?;
+        holds_exactly(heading, &host, &account, ("default", "default"), false)?;
+        holds_exactly(
+            heading,
+            &host,
+            &account,
+            (RELEASE_NS, "flotilla-system"),
+            false,
+        )?;
+
+        let deployment: Deployment =
+            serde_yaml::from_str(&flotilla_e2e::of_kinds(&chart, &["Deployment"])?)?;
+        let container = &deployment
+            .spec
+            .context("spec")?
+            .template
+            .spec
+            .context("pod")?
+            .containers[0];
+        let ca_file = dir.join("ca.crt");
+        std::fs::copy(&f.hub_ca, &ca_file)?;
+        let args = local_args(container.args.clone(), &token, &ca_file)?;
+        anyhow::ensure!(
+            args.contains(&format!("--allowed-namespace={TEAM}"))
+                && args.contains(&format!("--namespace={TEAM}")),
+            "the chart's agent does not watch {TEAM} alone: {args:?}"
+        );
+        let sa_kubeconfig = dir.join("kubeconfig.yaml");
+        service_account_kubeconfig(&host, &account, &sa_kubeconfig)?;
+        let agent = spawn_agent(&env, &f, NAME, &args, &sa_kubeconfig, RELEASE_NS)?;
+        let outcome = place_and_delete(&host_client, NAME, TEAM, "narrowed-app").await;
+        let stopped = agent.stop(std::time::Duration::from_secs(10));
+        let _ = flotilla_lab::process::forget(&env.dir, &agent.name);
+        outcome?;
+        stopped?;
+        let log = std::fs::read_to_string(agent.log.as_ref().context("the agent's log")?)?;
+        let refused: Vec<&str> = (log.lines())
+            .filter(|l| l.contains("forbidden: User") || l.contains("cannot list resource"))
+            .take(3)
+            .collect();
+        anyhow::ensure!(
+            refused.is_empty(),
+            "the apiserver refused the agent: {refused:#?}"
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    let removed = f.hub_cli(&env)?.run(&["unjoin", NAME]);
+    let restored = restore_conversion(&crds, conversion_before).await;
+    for ns in [RELEASE_NS, TEAM] {
+        let _ = namespaces.delete(ns, &DeleteParams::default()).await;
+    }
+    let cluster_wide = "clusterrole,clusterrolebinding";
+    let _ = run(
+        &kubectl(),
+        &[
+            "delete",
+            cluster_wide,
+            "narrowed-flotilla-agent",
+            "--ignore-not-found",
+        ],
+        &host,
+        None,
+    );
+    result?;
+    removed?;
+    restored?;
     Ok(())
 }

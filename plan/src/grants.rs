@@ -147,24 +147,10 @@ impl Grants {
         Ok(Granted::Only(clusters))
     }
 
-    /// Whether a grant of `namespace` names the cluster `name` or selects it by one of
-    /// `labels`. Only a cluster that a grant may take changes what the namespace may
-    /// place on when it joins, leaves or is relabelled, down to nothing at all, which
-    /// fails the plan of each of its apps as a whole.
-    pub fn may_take<'a>(
-        &self,
-        namespace: &str,
-        name: &str,
-        labels: impl IntoIterator<Item = &'a Labels> + Clone,
-    ) -> bool {
-        let Some(grants) = self.by_namespace.get(namespace) else {
-            return false;
-        };
-        grants.iter().any(|g| g.takes(name, labels.clone()))
-    }
-
-    /// The namespaces a grant of which takes the cluster `name` ([`Grants::may_take`]),
-    /// in name order.
+    /// The namespaces a grant of which names the cluster `name` or selects it by one of
+    /// `labels`, in name order. Only a cluster that a grant may take changes what the
+    /// namespace may place on when it joins, leaves or is relabelled, down to nothing at
+    /// all, which fails the plan of each of its apps as a whole.
     pub fn taking<'a>(
         &self,
         name: &str,

@@ -545,12 +545,6 @@ impl Index {
         keys
     }
 
-    /// [`Self::desired_shared`], copied.
-    pub fn desired_keys(&self, cluster: &str) -> Vec<AppKey> {
-        let keys = self.desired_shared(cluster).into_iter();
-        keys.map(|k| AppKey::clone(&k)).collect()
-    }
-
     /// The agent went away: what it holds is unknown until it says Hello again.
     pub fn disconnect(&mut self, cluster: &str) {
         self.present.remove(cluster);

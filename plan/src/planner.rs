@@ -339,10 +339,10 @@ impl Planner {
     /// ([`crate::placement::place`], [`Grants::granted`]); everything after them
     /// (schedule, render, rollout) reads the placed clusters. So an app is affected by a
     /// moved cluster only if its placement ([`may_place`]) or a grant of its namespace
-    /// ([`Grants::may_take`]) takes that cluster before or after the move, or if it
+    /// ([`Grants::taking`]) takes that cluster before or after the move, or if it
     /// could not be planned at all, since such a plan keeps every registered cluster
     /// ([`AppPlan::placement_error`]). The namespaces whose grants take a moved cluster
-    /// are found once per change ([`Grants::taking`]), not once per app.
+    /// are found once per change, not once per app.
     fn plan_for_shape(
         &mut self,
         apps: &impl Apps,

@@ -748,9 +748,10 @@ impl Model {
         }
         for c in self.host.registered.keys() {
             let wanted = want.remove(c).unwrap_or_default();
-            let keys: Vec<AppKey> = wanted.keys().cloned().collect();
+            let keys: Vec<&AppKey> = wanted.keys().collect();
+            let desired = self.hub.index.desired_shared(c);
             prop_assert_eq!(
-                self.hub.index.desired_keys(c),
+                desired.iter().map(|k| &**k).collect::<Vec<_>>(),
                 keys,
                 "desired keys on {}",
                 c
