@@ -509,7 +509,7 @@ async fn service_accounts_hold_exactly_the_documented_rights() -> Result<()> {
         &member,
         None,
     )?;
-    apply_identity(&member, &built, "Namespace")?;
+    apply_identity(&member, &built, &["Namespace"])?;
 
     for (heading, kubeconfig, account) in [
         ("The hub ", &host, "flotilla-system/flotilla-hub"),
@@ -523,16 +523,16 @@ async fn service_accounts_hold_exactly_the_documented_rights() -> Result<()> {
 }
 
 /// Applies what of `manifests` makes an install's identity: its ServiceAccounts, roles
-/// and bindings, and the objects of kind `also`.
-fn apply_identity(kubeconfig: &Path, manifests: &str, also: &str) -> Result<()> {
-    let kinds = [
-        also,
+/// and bindings, and the objects of the kinds `also`.
+fn apply_identity(kubeconfig: &Path, manifests: &str, also: &[&str]) -> Result<()> {
+    let mut kinds = vec![
         "ServiceAccount",
         "Role",
         "RoleBinding",
         "ClusterRole",
         "ClusterRoleBinding",
     ];
+    kinds.extend(also);
     let identity = flotilla_e2e::of_kinds(manifests, &kinds)?;
     let apply = ["apply", "-f", "-"];
     run(&kubectl(), &apply, kubeconfig, Some(identity.as_bytes())).map(drop)
@@ -559,22 +559,44 @@ fn holds_exactly(
     Ok(())
 }
 
+/// Where a narrowed agent's install comes from.
+#[derive(Clone, Copy, Debug)]
+enum Narrowed {
+    /// `helm template` with `agent.allowedNamespaces`, under a release namespace of its own.
+    Chart,
+    /// `flotilla-hub join --allowed-namespace`, into `flotilla-system`.
+    Join,
+}
+
 /// Issue 20: the chart with `agent.allowedNamespaces` grants the agent its rights on
 /// MyApps and their children in those namespaces alone (docs/security.md, RBAC), and the
-/// agent runs on them: installed on the host (which runs no agent of its own) under a
-/// release namespace of its own, it holds exactly the documented rights in a listed
-/// namespace, in another one and in the release's; run with its ServiceAccount's token
-/// and the Deployment's own arguments, it joins, a FederatedMyApp placed on it reaches
-/// it and is deleted again, and its log holds no request the apiserver refused.
+/// agent runs on them: installed on the host (which runs no agent of its own), it holds
+/// exactly the documented rights in a listed namespace, in another one and in its own;
+/// run with its ServiceAccount's token and the Deployment's own arguments, it joins, a
+/// FederatedMyApp placed on it reaches it and is deleted again, and its log holds no
+/// request the apiserver refused.
 #[tokio::test]
 async fn an_agent_narrowed_by_the_chart_runs_on_the_rights_of_its_namespaces() -> Result<()> {
+    narrowed_agent(Narrowed::Chart).await
+}
+
+/// As above, with the install `flotilla-hub join --allowed-namespace` prints.
+#[tokio::test]
+async fn an_agent_narrowed_by_join_runs_on_the_rights_of_its_namespaces() -> Result<()> {
+    narrowed_agent(Narrowed::Join).await
+}
+
+async fn narrowed_agent(source: Narrowed) -> Result<()> {
     use k8s_openapi::api::apps::v1::Deployment;
     use k8s_openapi::api::core::v1::Namespace;
     use kube::api::{DeleteParams, Patch, PatchParams};
 
-    const NAME: &str = "narrowed-e2e";
-    const RELEASE_NS: &str = "narrowed-agent";
     const TEAM: &str = "narrowed-team";
+    const RELEASE_NS: &str = "narrowed-agent";
+    let (name, own_namespace, created) = match source {
+        Narrowed::Chart => ("narrowed-chart", RELEASE_NS, &[RELEASE_NS, TEAM][..]),
+        Narrowed::Join => ("narrowed-join", "flotilla-system", &[TEAM][..]),
+    };
     let _one = ONE_AT_A_TIME.lock().await;
     let OnHost {
         env,
@@ -582,9 +604,9 @@ async fn an_agent_narrowed_by_the_chart_runs_on_the_rights_of_its_namespaces() -
         host,
         host_client,
         dir,
-    } = on_host(NAME).await?;
+    } = on_host(name).await?;
     let namespaces: Api<Namespace> = Api::all(host_client.clone());
-    for ns in [RELEASE_NS, TEAM] {
+    for ns in created {
         // An earlier run's namespace may still be terminating.
         let what = format!("namespace {ns} not terminating");
         flotilla_lab::wait_for(std::time::Duration::from_secs(120), &what, || async {
@@ -602,55 +624,75 @@ async fn an_agent_narrowed_by_the_chart_runs_on_the_rights_of_its_namespaces() -
     }
     let crds: Api<CustomResourceDefinition> = Api::all(host_client.clone());
     let conversion_before = crds.get("myapps.app.example.com").await?.spec.conversion;
-    let token = dir.join("token");
+    let (token, install) = (dir.join("token"), dir.join("install.yaml"));
     let grpc = f.hub_grpc.trim_start_matches("https://").to_owned();
+    let ca = f.hub_ca.to_string_lossy().into_owned();
+    let joined = match source {
+        Narrowed::Chart => ["join", name, "--token-file", &token.to_string_lossy()]
+            .map(String::from)
+            .to_vec(),
+        Narrowed::Join => [
+            "join",
+            name,
+            "--allowed-namespace",
+            TEAM,
+            "--hub-address",
+            &grpc,
+            "--hub-server-name",
+            "localhost",
+            "--hub-ca-file",
+            &ca,
+            "-o",
+            &install.to_string_lossy(),
+        ]
+        .map(String::from)
+        .to_vec(),
+    };
     f.hub_cli(&env)?
-        .run(&["join", NAME, "--token-file", &token.to_string_lossy()])?;
+        .run(&joined.iter().map(String::as_str).collect::<Vec<_>>())?;
     let result = async {
-        let chart = run(
-            &cached("helm-")?.join("helm"),
-            &[
-                "template",
-                "narrowed",
-                "charts/flotilla",
-                "--namespace",
-                RELEASE_NS,
-                "--set",
-                "hub.enabled=false",
-                "--set",
-                "agent.enabled=true",
-                "--set",
-                &format!("agent.cluster={NAME}"),
-                "--set",
-                &format!("agent.hub.address={grpc}"),
-                "--set",
-                "agent.hub.serverName=localhost",
-                "--set-file",
-                &format!("agent.hub.token={}", token.display()),
-                "--set-file",
-                &format!("agent.hub.caCrt={}", f.hub_ca.display()),
-                "--set",
-                &format!("agent.allowedNamespaces={{{TEAM}}}"),
-            ],
-            &host,
-            None,
-        )?;
-        apply_identity(&host, &chart, "Secret")?;
+        let manifests = match source {
+            Narrowed::Chart => run(
+                &cached("helm-")?.join("helm"),
+                &[
+                    "template",
+                    "narrowed",
+                    "charts/flotilla",
+                    "--namespace",
+                    RELEASE_NS,
+                    "--set",
+                    "hub.enabled=false",
+                    "--set",
+                    "agent.enabled=true",
+                    "--set",
+                    &format!("agent.cluster={name}"),
+                    "--set",
+                    &format!("agent.hub.address={grpc}"),
+                    "--set",
+                    "agent.hub.serverName=localhost",
+                    "--set-file",
+                    &format!("agent.hub.token={}", token.display()),
+                    "--set-file",
+                    &format!("agent.hub.caCrt={ca}"),
+                    "--set",
+                    &format!("agent.allowedNamespaces={{{TEAM}}}"),
+                ],
+                &host,
+                None,
+            )?,
+            Narrowed::Join => std::fs::read_to_string(&install)?,
+        };
+        apply_identity(&host, &manifests, &["Namespace", "Secret"])?;
 
-        let account = format!("{RELEASE_NS}/flotilla-agent");
+        let account = format!("{own_namespace}/flotilla-agent");
         let heading = "The agent ";
         holds_exactly(heading, &host, &account, (TEAM, TEAM), true)?;
         holds_exactly(heading, &host, &account, ("default", "default"), false)?;
-        holds_exactly(
-            heading,
-            &host,
-            &account,
-            (RELEASE_NS, "flotilla-system"),
-            false,
-        )?;
+        let own = (own_namespace, "flotilla-system");
+        holds_exactly(heading, &host, &account, own, false)?;
 
         let deployment: Deployment =
-            serde_yaml::from_str(&flotilla_e2e::of_kinds(&chart, &["Deployment"])?)?;
+            serde_yaml::from_str(&flotilla_e2e::of_kinds(&manifests, &["Deployment"])?)?;
         let container = &deployment
             .spec
             .context("spec")?
@@ -664,12 +706,12 @@ async fn an_agent_narrowed_by_the_chart_runs_on_the_rights_of_its_namespaces() -
         anyhow::ensure!(
             args.contains(&format!("--allowed-namespace={TEAM}"))
                 && args.contains(&format!("--namespace={TEAM}")),
-            "the chart's agent does not watch {TEAM} alone: {args:?}"
+            "the {source:?} agent does not watch {TEAM} alone: {args:?}"
         );
         let sa_kubeconfig = dir.join("kubeconfig.yaml");
         service_account_kubeconfig(&host, &account, &sa_kubeconfig)?;
-        let agent = spawn_agent(&env, &f, NAME, &args, &sa_kubeconfig, RELEASE_NS)?;
-        let outcome = place_and_delete(&host_client, NAME, TEAM, "narrowed-app").await;
+        let agent = spawn_agent(&env, &f, name, &args, &sa_kubeconfig, own_namespace)?;
+        let outcome = place_and_delete(&host_client, name, TEAM, "narrowed-app").await;
         let stopped = agent.stop(std::time::Duration::from_secs(10));
         let _ = flotilla_lab::process::forget(&env.dir, &agent.name);
         outcome?;
@@ -686,23 +728,21 @@ async fn an_agent_narrowed_by_the_chart_runs_on_the_rights_of_its_namespaces() -
         anyhow::Ok(())
     }
     .await;
-    let removed = f.hub_cli(&env)?.run(&["unjoin", NAME]);
+    let removed = f.hub_cli(&env)?.run(&["unjoin", name]);
     let restored = restore_conversion(&crds, conversion_before).await;
-    for ns in [RELEASE_NS, TEAM] {
+    for ns in created {
         let _ = namespaces.delete(ns, &DeleteParams::default()).await;
     }
-    let cluster_wide = "clusterrole,clusterrolebinding";
-    let _ = run(
-        &kubectl(),
-        &[
+    if let Narrowed::Chart = source {
+        let cluster_wide = "clusterrole,clusterrolebinding";
+        let delete = [
             "delete",
             cluster_wide,
             "narrowed-flotilla-agent",
             "--ignore-not-found",
-        ],
-        &host,
-        None,
-    );
+        ];
+        let _ = run(&kubectl(), &delete, &host, None);
+    }
     result?;
     removed?;
     restored?;

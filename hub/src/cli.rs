@@ -307,6 +307,11 @@ pub struct JoinArgs {
     /// The agent's image (default: deploy/base's).
     #[arg(long)]
     pub agent_image: Option<String>,
+    /// Only these namespaces (repeat or comma-separate): the agent applies MyApps into
+    /// them alone, watches them alone, and its rights on MyApps and their children are
+    /// granted in them alone, a Role each. Default: every namespace not forbidden.
+    #[arg(long = "allowed-namespace", value_delimiter = ',')]
+    pub allowed_namespaces: Vec<String>,
     /// Write the member install here (mode 0600, it holds the credential). One of -o,
     /// --token-file and --stdout is required.
     #[arg(short = 'o', long = "output", value_name = "FILE")]
@@ -431,6 +436,7 @@ pub async fn join(kube: &KubeArgs, args: &JoinArgs) -> anyhow::Result<()> {
                 },
                 token: token.clone(),
                 image: args.agent_image.clone(),
+                allowed_namespaces: args.allowed_namespaces.clone(),
             };
             Some(crate::install::render(&install)?)
         }

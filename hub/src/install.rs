@@ -2,8 +2,10 @@
 //! installs in the member cluster. It is `deploy/base` (namespace, MyApp CRD with its
 //! conversion webhook, the agent's RBAC, the FlowSchema of its Lease, Deployment and
 //! Service) with the agent switched to `run` against the hub, plus the credential
-//! Secret and the agent's Role on it (it stores a renewed token there). Pure: no cluster
-//! is contacted.
+//! Secret and the agent's Role on it (it stores a renewed token there). With allowed
+//! namespaces, the agent's rights on MyApps and their children move from its ClusterRole
+//! to a Role in each of them, as the chart's `agent.allowedNamespaces` does. Pure: no
+//! cluster is contacted.
 
 use base64::Engine;
 use secrecy::{ExposeSecret, SecretString};
@@ -63,7 +65,23 @@ pub struct MemberInstall {
     pub token: SecretString,
     /// The agent's image; `deploy/base`'s when absent.
     pub image: Option<String>,
+    /// The only namespaces the agent applies MyApps into, watches and holds rights in
+    /// (its `--allowed-namespace` and its operator's `--namespace`); empty for all.
+    pub allowed_namespaces: Vec<String>,
 }
+
+/// The agent's rights that an install narrowed to some namespaces grants in each of them
+/// alone (docs/security.md, scope `MyApp namespaces`): every rule of its ClusterRole
+/// whose resources are all among these.
+const MYAPP_NAMESPACE_RESOURCES: [&str; 7] = [
+    "myapps",
+    "myapps/status",
+    "configmaps",
+    "deployments",
+    "horizontalpodautoscalers",
+    "scaledobjects",
+    "events",
+];
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum InstallError {
@@ -81,6 +99,8 @@ pub enum InstallError {
     Token { cluster: String, reason: String },
     #[error("--agent-image {0:?}: expected NAME:TAG or NAME@DIGEST, without spaces")]
     Image(String),
+    #[error("--allowed-namespace {0:?}: must be a namespace name (a DNS-1123 label)")]
+    AllowedNamespace(String),
     #[error("{file}: {reason}")]
     Base { file: &'static str, reason: String },
 }
@@ -119,6 +139,8 @@ pub fn objects(install: &MemberInstall) -> Result<Vec<Value>, InstallError> {
             if doc["kind"] == "Deployment" {
                 objects.push(secret(install));
                 objects.push(agent_deployment(file, doc, install)?);
+            } else if doc["kind"] == "ClusterRole" && !install.allowed_namespaces.is_empty() {
+                objects.extend(narrowed(doc, &install.allowed_namespaces));
             } else {
                 objects.push(doc);
             }
@@ -140,6 +162,42 @@ fn secret(install: &MemberInstall) -> Value {
         "type": "Opaque",
         "data": {"token": b64(install.token.expose_secret()), "ca.crt": b64(&install.hub_ca_pem)},
     })
+}
+
+/// The agent's ClusterRole without its rules on MyApps and their children, and a Role
+/// with those rules and its RoleBinding in each of `namespaces`.
+fn narrowed(mut cluster_role: Value, namespaces: &[String]) -> Vec<Value> {
+    let rules = cluster_role["rules"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let in_namespaces = |rule: &Value| {
+        let resources = rule["resources"].as_array();
+        resources.is_some_and(|r| {
+            r.iter()
+                .all(|r| (r.as_str()).is_some_and(|r| MYAPP_NAMESPACE_RESOURCES.contains(&r)))
+        })
+    };
+    let (namespaced, cluster): (Vec<Value>, Vec<Value>) =
+        rules.into_iter().partition(in_namespaces);
+    cluster_role["rules"] = json!(cluster);
+    let name = cluster_role["metadata"]["name"].clone();
+    let labels = cluster_role["metadata"]["labels"].clone();
+    let mut objects = vec![cluster_role];
+    for namespace in namespaces {
+        let metadata = json!({"name": name, "namespace": namespace, "labels": labels});
+        objects.push(json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": metadata, "rules": namespaced,
+        }));
+        objects.push(json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": metadata,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": AGENT, "namespace": NAMESPACE}],
+        }));
+    }
+    objects
 }
 
 /// `deploy/base`'s agent, switched from the standalone operator to `run` against the hub.
@@ -177,6 +235,12 @@ fn agent_deployment(
     ]);
     if let Some(name) = &install.hub_server_name {
         args.push(json!(format!("--hub-server-name={name}")));
+    }
+    if !install.allowed_namespaces.is_empty() {
+        let namespaces = install.allowed_namespaces.join(",");
+        args.push(json!(format!("--allowed-namespace={namespaces}")));
+        // The operator watches the same namespaces: its rights are granted there alone.
+        args.push(json!(format!("--namespace={namespaces}")));
     }
     Ok(deployment)
 }
@@ -218,6 +282,9 @@ fn validate(install: &MemberInstall) -> Result<(), InstallError> {
             || !(image.contains(':') || image.contains('@')))
     {
         return Err(InstallError::Image(image.clone()));
+    }
+    if let Some(bad) = (install.allowed_namespaces.iter()).find(|n| !is_dns_label(n)) {
+        return Err(InstallError::AllowedNamespace(bad.clone()));
     }
     Ok(())
 }
@@ -267,10 +334,15 @@ pub fn is_dns_subdomain(s: &str) -> bool {
         })
 }
 
+/// A DNS-1123 label, as namespace names are.
+fn is_dns_label(s: &str) -> bool {
+    !s.contains('.') && is_dns_subdomain(s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeMap;
+    use std::collections::{BTreeMap, BTreeSet};
 
     use proptest::prelude::*;
 
@@ -285,6 +357,7 @@ mod tests {
             hub_ca_pem: CA.into(),
             token: "paris.c2VjcmV0".into(),
             image: None,
+            allowed_namespaces: Vec::new(),
         }
     }
 
@@ -332,6 +405,84 @@ mod tests {
             .decode(v.as_str().unwrap())
             .unwrap();
         String::from_utf8(bytes).unwrap()
+    }
+
+    /// Narrowed to two namespaces, the install moves exactly the rules on MyApps and
+    /// their children from the ClusterRole to a Role in each, bound to the agent, and
+    /// the agent and its operator are told the same namespaces; nothing else changes.
+    #[test]
+    fn an_install_narrowed_to_namespaces_grants_the_myapp_rights_there_alone() {
+        let narrow = MemberInstall {
+            allowed_namespaces: vec!["shop".into(), "team".into()],
+            ..install()
+        };
+        let (wide, narrowed) = (objects(&install()).unwrap(), objects(&narrow).unwrap());
+        let rules = |docs: &[Value], kind: &str, namespace: Option<&str>| -> Vec<Value> {
+            (docs.iter())
+                .filter(|d| d["kind"] == kind && d["metadata"]["name"] == AGENT)
+                .filter(|d| d["metadata"]["namespace"].as_str() == namespace)
+                .flat_map(|d| d["rules"].as_array().cloned().unwrap_or_default())
+                .collect()
+        };
+        let all = rules(&wide, "ClusterRole", None);
+        let cluster = rules(&narrowed, "ClusterRole", None);
+        for namespace in ["shop", "team"] {
+            let moved = rules(&narrowed, "Role", Some(namespace));
+            let mut together: Vec<String> = (cluster.iter().chain(&moved))
+                .map(Value::to_string)
+                .collect();
+            let mut before: Vec<String> = all.iter().map(Value::to_string).collect();
+            together.sort();
+            before.sort();
+            assert_eq!(together, before, "{namespace}: every rule, once");
+            let resources: BTreeSet<&str> = (moved.iter())
+                .flat_map(|r| r["resources"].as_array().unwrap())
+                .map(|r| r.as_str().unwrap())
+                .collect();
+            assert_eq!(resources, BTreeSet::from(MYAPP_NAMESPACE_RESOURCES));
+            let binding = (narrowed.iter())
+                .find(|d| d["kind"] == "RoleBinding" && d["metadata"]["namespace"] == namespace)
+                .expect("a RoleBinding");
+            assert_eq!(binding["roleRef"]["name"], AGENT);
+            assert_eq!(binding["subjects"][0]["namespace"], NAMESPACE);
+        }
+        for rule in &cluster {
+            let resources = rule["resources"].as_array().unwrap();
+            assert!(
+                (resources.iter())
+                    .all(|r| !MYAPP_NAMESPACE_RESOURCES.contains(&r.as_str().unwrap())),
+                "left cluster-wide: {rule}"
+            );
+        }
+        let args = |docs: &[Value]| -> Vec<Value> {
+            let d = docs.iter().find(|d| d["kind"] == "Deployment").unwrap();
+            d["spec"]["template"]["spec"]["containers"][0]["args"]
+                .as_array()
+                .unwrap()
+                .clone()
+        };
+        let mut want = args(&wide);
+        want.extend([
+            json!("--allowed-namespace=shop,team"),
+            json!("--namespace=shop,team"),
+        ]);
+        assert_eq!(args(&narrowed), want);
+        let others = |docs: &[Value]| -> Vec<Value> {
+            let rbac = ["ClusterRole", "Role", "RoleBinding", "Deployment"];
+            let agent_rbac = |d: &&Value| {
+                rbac.contains(&d["kind"].as_str().unwrap()) && d["metadata"]["name"] == AGENT
+            };
+            docs.iter().filter(|d| !agent_rbac(d)).cloned().collect()
+        };
+        assert_eq!(others(&narrowed), others(&wide));
+        let bad = MemberInstall {
+            allowed_namespaces: vec!["team".into(), "Team.x".into()],
+            ..install()
+        };
+        assert_eq!(
+            objects(&bad).unwrap_err().to_string(),
+            "--allowed-namespace \"Team.x\": must be a namespace name (a DNS-1123 label)"
+        );
     }
 
     #[test]
