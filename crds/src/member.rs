@@ -71,6 +71,11 @@ pub struct MemberClusterStatus {
     pub agent_version: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kubernetes_version: Option<String>,
+    /// The only namespaces the agent watches (its `--allowed-namespace`); absent when it
+    /// watches every namespace. The hub takes the agent's word on MyApps in these alone:
+    /// a deletion of a MyApp elsewhere waits for this cluster (docs/security.md, RBAC).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub agent_namespaces: Vec<String>,
     /// UID of the member's `kube-system` namespace, pinned by the first agent that
     /// connects: the credential is bound to that physical cluster, and an agent running
     /// anywhere else is refused (unless it matches `clusterID`). Clear both (with

@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use flotilla_crds::{ClusterGrant, FederatedMyApp, MyApp};
+use flotilla_crds::{ClusterGrant, FederatedMyApp, MemberCluster, MyApp};
 use flotilla_e2e::deletions::DeletionLog;
 use flotilla_e2e::{agent_binary, converge};
 use flotilla_lab::federation::{self, HUB};
@@ -685,7 +685,9 @@ async fn an_agent_narrowed_to_some_namespaces_confirms_no_deletion_outside_them(
     let log = DeletionLog::start(&env).await?;
     let member = env.members()[0].to_owned();
     let agent = federation::agent_name(&member);
-    let (scope, name) = ("scope-e2e", "scope-probe");
+    const SCOPE: &str = "scope-e2e";
+    let (scope, name) = (SCOPE, "scope-probe");
+    let members: Api<MemberCluster> = Api::all(host.clone());
     let member_client = env.client(&member).await?;
     create_namespace(&member_client, scope).await?;
     let app = json!({
@@ -716,6 +718,14 @@ async fn an_agent_narrowed_to_some_namespaces_confirms_no_deletion_outside_them(
         };
         let what = format!("default/{name}: {member}'s agent refuses it");
         await_object(&fedapps(&host, "default"), name, TIMEOUT, &what, refused).await?;
+        let watches = |namespaces: &'static [&'static str]| {
+            move |m: Option<&MemberCluster>| {
+                m.and_then(|m| m.status.as_ref())
+                    .is_some_and(|s| s.agent_namespaces == namespaces)
+            }
+        };
+        let what = format!("MemberCluster {member} shows the namespaces its agent watches");
+        await_object(&members, &member, TIMEOUT, &what, watches(&[SCOPE])).await?;
 
         fedapps(&host, "default")
             .delete(name, &DeleteParams::default())
@@ -750,6 +760,12 @@ async fn an_agent_narrowed_to_some_namespaces_confirms_no_deletion_outside_them(
     .await;
     narrowed?;
     restored?;
+    let what = format!("MemberCluster {member} shows its agent watching every namespace");
+    let all = |m: Option<&MemberCluster>| {
+        m.and_then(|m| m.status.as_ref())
+            .is_some_and(|s| s.agent_namespaces.is_empty())
+    };
+    await_object(&members, &member, TIMEOUT, &what, all).await?;
     delete_and_wait(&host, "default", name).await?;
     let what = format!("default/{name} gone from {member}");
     await_object(&on_member, name, TIMEOUT, &what, |a: Option<&MyApp>| {

@@ -396,6 +396,8 @@ struct Member {
     last_heartbeat: Option<(Instant, Timestamp)>,
     agent_version: Option<String>,
     kubernetes_version: Option<String>,
+    /// The namespaces the agent's Hello covers (empty for all); `None` before a Hello.
+    scope: Option<Vec<String>>,
     cluster_uid: Option<String>,
     /// The ID the cluster states (its About API ClusterProperty), if it states one.
     cluster_id: Option<String>,
@@ -496,6 +498,8 @@ impl Membership {
         m.cluster_id = id;
         m.agent_version = Some(capped(hello.agent_version.clone(), AGENT_STRING_MAX));
         m.kubernetes_version = Some(capped(hello.kubernetes_version.clone(), AGENT_STRING_MAX));
+        // Bounded by the server before the session began.
+        m.scope = Some(hello.scope.clone());
         m.cluster_uid = uid;
         m.blocked = None;
         m.last_heartbeat = Some((Instant::now(), Timestamp::now()));
@@ -796,6 +800,12 @@ impl Membership {
                 m.and_then(|m| m.kubernetes_version.as_ref()),
                 previous.and_then(|p| p.kubernetes_version.as_ref()),
             ),
+            agent_namespaces: match m.and_then(|m| m.scope.as_ref()) {
+                Some(heard) => heard.clone(),
+                None => previous
+                    .map(|p| p.agent_namespaces.clone())
+                    .unwrap_or_default(),
+            },
             capacity: None,
         }
     }

@@ -37,6 +37,7 @@ fn ready(mut m: MemberCluster, status: &str) -> MemberCluster {
         last_heartbeat_time: Some(time("2026-02-02T00:00:00Z")),
         agent_version: Some("0.1.0".into()),
         kubernetes_version: Some("v1.34.1".into()),
+        agent_namespaces: Vec::new(),
         cluster_uid: Some("11111111-2222".into()),
         cluster_id: None,
         capacity: Some(ClusterCapacity {

@@ -94,6 +94,32 @@ fn a_hello_makes_a_cluster_ready_and_due() {
     assert!(status.last_heartbeat_time.is_some());
 }
 
+/// The namespaces a narrowed agent watches are shown, kept across a hub restart until
+/// the agent says Hello again, and cleared when it watches every namespace again.
+#[tokio::test(start_paused = true)]
+async fn the_namespaces_an_agent_watches_are_shown_until_it_watches_all() {
+    let m = Membership::new(Duration::from_secs(40));
+    let narrowed = flotilla_proto::v1::Hello {
+        scope: vec!["team".into()],
+        ..hello("0.1.0", "uid-1")
+    };
+    m.hello("c1", &narrowed);
+    let (_, status) = due(&m, &["c1"], &store(&[("c1", None)]), Instant::now()).remove(0);
+    assert_eq!(status.agent_namespaces, ["team"]);
+    let members = holding(shown("c1", status));
+    // A restarted hub that never hears the agent marks it NotReady after the grace: that
+    // write keeps the namespaces shown.
+    let restarted = Membership::new(Duration::from_secs(40));
+    let since = Instant::now();
+    tokio::time::advance(Duration::from_secs(100)).await;
+    let (_, lost) = due(&restarted, &[], &members, since).remove(0);
+    assert_eq!(condition::is_true(&lost.conditions, "Ready"), Some(false));
+    assert_eq!(lost.agent_namespaces, ["team"]);
+    restarted.hello("c1", &hello("0.1.0", "uid-1"));
+    let (_, widened) = due(&restarted, &["c1"], &members, Instant::now()).remove(0);
+    assert!(widened.agent_namespaces.is_empty());
+}
+
 /// A hub that heard c1's agent 0.1.0 in the cluster `uid`, and the host showing what it
 /// wrote.
 fn pinned(uid: &str) -> (Membership, Store<MemberCluster>) {
