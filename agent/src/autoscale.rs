@@ -25,7 +25,7 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::broadcast;
 use tracing::{info, warn};
 
-use crate::cache::Key;
+use crate::cache::{self, Key};
 use crate::operator::children;
 
 /// What an autoscaler scales of a MyApp.
@@ -98,10 +98,7 @@ impl Autoscalers {
 
     /// Resolves once every namespace watched has been listed.
     pub async fn listed(&self) -> Result<(), NeverListed> {
-        for listed in &self.listed {
-            listed.wait().await?;
-        }
-        Ok(())
+        listed::all(&self.listed).await
     }
 
     /// The HorizontalPodAutoscaler [`Autoscalers::of`] names, as the cache shows it.
@@ -143,14 +140,8 @@ pub fn watch(
     namespaces: Option<&BTreeSet<String>>,
 ) -> (Autoscalers, impl Future<Output = ()> + use<>) {
     let (changes, _) = broadcast::channel(256);
-    let apis: Vec<Api<HorizontalPodAutoscaler>> = match namespaces {
-        None => vec![Api::all(client.clone())],
-        Some(namespaces) => (namespaces.iter())
-            .map(|n| Api::namespaced(client.clone(), n))
-            .collect(),
-    };
     let (mut stores, mut listed, mut runs) = (Vec::new(), Vec::new(), Vec::new());
-    for api in apis {
+    for (_, api) in cache::apis::<HorizontalPodAutoscaler>(&client, namespaces) {
         let (store, writer) = reflector::store::<HorizontalPodAutoscaler>();
         let (stream, done) = listed::track(
             reflector::reflector(writer, watcher(api, watcher::Config::default()))

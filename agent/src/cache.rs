@@ -16,9 +16,10 @@ use flotilla_common::listed::{self, Listed, NeverListed};
 use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
 pub use flotilla_proto::AppKey as Key;
 use futures::{Stream, StreamExt};
+use kube::core::NamespaceResourceScope;
 use kube::runtime::reflector::{self, ObjectRef, Store, store::Writer};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Api, Client, ResourceExt};
+use kube::{Api, Client, Resource, ResourceExt};
 use tokio::sync::broadcast;
 use tracing::warn;
 
@@ -136,10 +137,26 @@ pub struct Managed {
 impl Managed {
     /// Resolves once every namespace watched has been listed.
     pub async fn listed(&self) -> Result<(), NeverListed> {
-        for listed in &self.listed {
-            listed.wait().await?;
-        }
-        Ok(())
+        listed::all(&self.listed).await
+    }
+}
+
+/// An `Api` per namespace of `namespaces`, each with its namespace, or one of every
+/// namespace (`None`) without them: what an agent with `--allowed-namespace` lists and
+/// watches, and nothing else.
+pub fn apis<K>(
+    client: &Client,
+    namespaces: Option<&BTreeSet<String>>,
+) -> Vec<(Option<String>, Api<K>)>
+where
+    K: Resource<Scope = NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match namespaces {
+        None => vec![(None, Api::all(client.clone()))],
+        Some(namespaces) => (namespaces.iter())
+            .map(|n| (Some(n.clone()), Api::namespaced(client.clone(), n)))
+            .collect(),
     }
 }
 
@@ -155,16 +172,10 @@ pub fn watch_managed(
     scope: Option<&BTreeSet<String>>,
 ) -> (Managed, impl std::future::Future<Output = ()> + use<>) {
     let (changes, _) = broadcast::channel(1024);
-    let apis: Vec<(Option<String>, Api<MyApp>)> = match scope {
-        None => vec![(None, Api::all(client))],
-        Some(namespaces) => (namespaces.iter())
-            .map(|n| (Some(n.clone()), Api::namespaced(client.clone(), n)))
-            .collect(),
-    };
     let mut stores = Vec::new();
     let mut listed = Vec::new();
     let mut runs = Vec::new();
-    for (namespace, api) in apis {
+    for (namespace, api) in apis::<MyApp>(&client, scope) {
         let (store, writer) = reflector::store::<MyApp>();
         let config = watcher::Config::default().labels(&managed_selector());
         let (stream, done) = listed::track(

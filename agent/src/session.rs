@@ -20,7 +20,7 @@ use flotilla_proto::client::{self, Dial, DialError, HubClient};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
 use futures::StreamExt;
 use kube::api::ListParams;
-use kube::{Api, Client, ResourceExt};
+use kube::{Client, ResourceExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -286,14 +286,8 @@ async fn hello(
         .unwrap_or_default();
     let params = ListParams::default().labels(&cache::managed_selector());
     let scope = config.guard.policy().allowed();
-    let apis: Vec<Api<MyApp>> = match scope {
-        None => vec![Api::all(client.clone())],
-        Some(namespaces) => (namespaces.iter())
-            .map(|n| Api::namespaced(client.clone(), n))
-            .collect(),
-    };
     let mut listed = Vec::new();
-    for api in apis {
+    for (_, api) in cache::apis::<MyApp>(client, scope) {
         listed.extend(api.list(&params).await.map_err(SessionError::List)?.items);
     }
     let hello = pb::Hello {

@@ -63,6 +63,15 @@ impl Listed {
     }
 }
 
+/// Resolves once every one of `listed` has listed (at once for none); fails as soon as
+/// one waited on ended before it listed.
+pub async fn all(listed: &[Listed]) -> Result<(), NeverListed> {
+    for listed in listed {
+        listed.wait().await?;
+    }
+    Ok(())
+}
+
 /// Passes `events` through, marking [`Listed`] at the first `InitDone`. Put it after the
 /// reflector, so that the store holds the whole list when waiters wake.
 pub fn track<K, S>(events: S) -> (impl Stream<Item = S::Item>, Listed)
@@ -226,6 +235,56 @@ mod tests {
             .unwrap();
         assert_eq!(reconciled.load(Ordering::SeqCst), 1);
         drop(feed);
+    }
+
+    /// [`all`] waits for the last of several watches to list, and fails when one ends
+    /// before it listed.
+    #[tokio::test]
+    async fn all_waits_for_every_watch() {
+        all(&[]).await.unwrap();
+        let (feeds, (streams, listed)): (Vec<_>, (Vec<_>, Vec<_>)) = (0..3)
+            .map(|_| {
+                let (_, writer) = reflector::store::<ConfigMap>();
+                let (feed, events) = futures::channel::mpsc::unbounded();
+                (feed, track(reflector(writer, events)))
+            })
+            .unzip();
+        let drivers: Vec<_> = (streams.into_iter())
+            .map(|events| tokio::spawn(events.for_each(|_| async {})))
+            .collect();
+        let waiter = tokio::spawn({
+            let listed = listed.clone();
+            async move { all(&listed).await }
+        });
+        // The first and the last listed, not the one between: not all yet.
+        for feed in [&feeds[0], &feeds[2]] {
+            for event in [watcher::Event::Init, watcher::Event::InitDone] {
+                feed.unbounded_send(Ok(event)).unwrap();
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(listed[0].is_listed() && listed[2].is_listed());
+        assert!(!waiter.is_finished(), "two of three listed is not all");
+        for event in [watcher::Event::Init, watcher::Event::InitDone] {
+            feeds[1].unbounded_send(Ok(event)).unwrap();
+        }
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("all never resolved")
+            .unwrap()
+            .unwrap();
+        drop(feeds);
+        for driver in drivers {
+            driver.await.unwrap();
+        }
+
+        let (_, writer) = reflector::store::<ConfigMap>();
+        let (feed, events) = futures::channel::mpsc::unbounded();
+        let (events, never) = track(reflector(writer, events));
+        feed.unbounded_send(Ok(watcher::Event::Init)).unwrap();
+        drop(feed);
+        events.for_each(|_| async {}).await;
+        assert!(all(&[listed[0].clone(), never]).await.is_err());
     }
 
     #[tokio::test]

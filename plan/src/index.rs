@@ -171,9 +171,10 @@ pub struct Index {
     /// cluster → apps its agent manages, for clusters whose agent said Hello since it
     /// last connected; absent for the others, whose state is unknown.
     present: HashMap<String, HashSet<Arc<AppKey>>>,
-    /// cluster → the namespaces its connected agent covers, for agents that cover fewer
-    /// than all ([`Scope`]); `present` holds only MyApps inside them.
-    scopes: HashMap<String, BTreeSet<String>>,
+    /// cluster → the scope of its connected agent, for agents that cover fewer than all
+    /// (never [`Scope::All`], which an absent entry means); `present` holds only MyApps
+    /// inside it.
+    scopes: HashMap<String, Scope>,
     /// app being deleted → clusters that have not confirmed it is gone (or released).
     deleting: HashMap<AppKey, BTreeSet<String>>,
     /// app → clusters a plan took it off that have not said they no longer hold it (an
@@ -455,24 +456,19 @@ impl Index {
         managed: &HashMap<AppKey, String>,
         scope: Scope,
     ) -> (Vec<Push>, Vec<Arc<AppKey>>) {
-        let managed: HashMap<&AppKey, &String> = (managed.iter())
-            .filter(|(key, _)| scope.covers(key))
-            .collect();
-        let held = managed
-            .keys()
+        // `managed` is read only inside the scope (no filtered copy of it is made).
+        let held = (managed.keys())
+            .filter(|key| scope.covers(key))
             .map(|key| self.desired.shared_key(cluster, key))
             .collect();
         self.present.insert(cluster.to_owned(), held);
-        match scope {
-            Scope::All => self.scopes.remove(cluster),
-            Scope::Namespaces(namespaces) => self.scopes.insert(cluster.to_owned(), namespaces),
-        };
         let mut pushes = Vec::new();
         let keys = self.desired_shared(cluster);
         if let Some(desired) = self.desired.get(cluster) {
             for key in &keys {
-                match (&desired[key], managed.get(&**key)) {
-                    (Desired::Apply(r), hash) if hash != Some(&&r.hash) => {
+                let hash = managed.get(&**key).filter(|_| scope.covers(key));
+                match (&desired[key], hash) {
+                    (Desired::Apply(r), hash) if hash != Some(&r.hash) => {
                         let apply = Change::Apply(r.clone());
                         pushes.push((cluster.to_owned(), AppKey::clone(key), apply));
                     }
@@ -487,16 +483,22 @@ impl Index {
                 }
             }
         }
-        self.settle_deletions(cluster, &managed, &keys, &mut pushes);
+        match scope {
+            Scope::All => self.scopes.remove(cluster),
+            narrowed => self.scopes.insert(cluster.to_owned(), narrowed),
+        };
+        self.settle_deletions(cluster, managed, &keys, &mut pushes);
         (pushes, keys)
     }
 
     /// After a Hello: deletions (and departures) waiting on the cluster that its agent
     /// says it does not hold are confirmed; one it still holds is sent its Delete.
+    /// `managed` is the Hello's whole list, read only where the agent's scope (stored
+    /// before) covers the app.
     fn settle_deletions(
         &mut self,
         cluster: &str,
-        managed: &HashMap<&AppKey, &String>,
+        managed: &HashMap<AppKey, String>,
         keys: &[Arc<AppKey>],
         pushes: &mut Vec<Push>,
     ) {
@@ -606,13 +608,18 @@ impl Index {
 
     /// Whether the app is inside the scope of the cluster's agent (or no agent said).
     fn covers(&self, cluster: &str, key: &AppKey) -> bool {
-        (self.scopes.get(cluster)).is_none_or(|namespaces| namespaces.contains(&key.namespace))
+        (self.scopes.get(cluster)).is_none_or(|scope| scope.covers(key))
     }
 
     /// Why a connected cluster cannot confirm the app's deletion, when the reason is its
     /// agent's scope: the namespaces it covers.
     pub fn scope_excludes(&self, cluster: &str, key: &AppKey) -> Option<&BTreeSet<String>> {
-        (self.scopes.get(cluster)).filter(|namespaces| !namespaces.contains(&key.namespace))
+        match self.scopes.get(cluster)? {
+            Scope::Namespaces(namespaces) if !namespaces.contains(&key.namespace) => {
+                Some(namespaces)
+            }
+            _ => None,
+        }
     }
 
     /// The cluster's agent said it does not hold the app (its Hello, or a report).
