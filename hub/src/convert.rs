@@ -6,7 +6,7 @@
 //! any arithmetic: strings cut to the maxima below, numbers clamped to `0..=` theirs.
 
 use flotilla_crds::member::{ClusterCapacity, Resources};
-use flotilla_plan::status::Report;
+use flotilla_plan::status::{Report, Words};
 use flotilla_proto::v1 as pb;
 
 use crate::edge::Refusal;
@@ -143,19 +143,23 @@ pub fn report_from_pb(r: pb::StatusReport) -> Bounded<Report> {
                 bounds.string(c.message, MESSAGE_MAX),
             )
         });
+    let words = Words {
+        degraded,
+        apply_error: Some(bounds.string(r.apply_error, MESSAGE_MAX)).filter(|e| !e.is_empty()),
+        autoscaler: Some(bounds.string(r.autoscaler, REASON_MAX)).filter(|a| !a.is_empty()),
+        drift: Some(bounds.string(r.drift, MESSAGE_MAX)).filter(|d| !d.is_empty()),
+    };
     let report = Report {
-        hash: bounds.string(r.hash, HASH_MAX),
+        hash: bounds.string(r.hash, HASH_MAX).into(),
         exists: r.exists,
         ready: r.ready,
         ready_replicas: bounds.number(r.ready_replicas, i32::MAX),
         observed_generation: bounds.number(r.observed_generation, i64::MAX),
         generation: bounds.number(r.generation, i64::MAX),
-        degraded,
-        apply_error: Some(bounds.string(r.apply_error, MESSAGE_MAX)).filter(|e| !e.is_empty()),
         replicas: r.replicas.map(|n| bounds.number(n, i32::MAX)),
-        autoscaler: Some(bounds.string(r.autoscaler, REASON_MAX)).filter(|a| !a.is_empty()),
-        drift: Some(bounds.string(r.drift, MESSAGE_MAX)).filter(|d| !d.is_empty()),
-    };
+        words: None,
+    }
+    .with_words(words);
     bounds.done(report)
 }
 
@@ -225,10 +229,10 @@ mod tests {
         })
         .value;
         assert_eq!(
-            r.degraded,
-            Some(("ImageMissing".into(), "spec.image is not set".into()))
+            r.degraded(),
+            Some(&("ImageMissing".into(), "spec.image is not set".into()))
         );
-        assert_eq!((r.hash.as_str(), r.ready_replicas), ("h1", 1));
+        assert_eq!((&*r.hash, r.ready_replicas), ("h1", 1));
     }
 
     #[test]
@@ -258,7 +262,7 @@ mod tests {
             ..Default::default()
         });
         assert!(
-            huge.value.drift.unwrap().len() <= MESSAGE_MAX,
+            huge.value.drift().unwrap().len() <= MESSAGE_MAX,
             "a drift note is cut"
         );
     }
@@ -291,8 +295,8 @@ mod tests {
                 conditions: vec![condition(input.clone(), input.clone())],
                 ..Default::default()
             });
-            let (reason, message) = r.value.degraded.unwrap();
-            let error = r.value.apply_error.unwrap_or_default();
+            let (reason, message) = r.value.degraded().unwrap().clone();
+            let error = r.value.apply_error().unwrap_or_default().to_owned();
             assert_eq!(
                 (message.len(), error.len()),
                 (kept, kept),

@@ -13,7 +13,7 @@
 //! yet given this hub its reports ([`StatusBoard::heard`]) waits, so that the new
 //! leader's first write is not a false "Pending".
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -22,7 +22,7 @@ use flotilla_crds::federated::FederatedMyAppStatus;
 use flotilla_plan::index::AppKey;
 use flotilla_plan::planner::Trigger;
 use flotilla_plan::rollout::{Observed, Seen};
-use flotilla_plan::status::{Inputs, Report, compute, detail};
+use flotilla_plan::status::{Inputs, Report, Reports, compute, detail};
 use flotilla_plan::{AppPlan, ClusterPlan};
 use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -94,8 +94,6 @@ impl Planned {
     }
 }
 
-type Reports = BTreeMap<String, Report>;
-
 #[derive(Default)]
 struct Board {
     plans: HashMap<AppKey, Arc<Planned>>,
@@ -110,6 +108,37 @@ struct Board {
     heard: Arc<HashSet<String>>,
     /// What progressive apps' rollouts read of the reports.
     rollouts: HashMap<AppKey, Rollout>,
+    /// The one copy of each cluster name and hash the reports hold.
+    strings: Interner,
+}
+
+/// One shared copy of each string: a fleet's reports repeat a few cluster names and
+/// hashes (an app's clusters mostly run the same bytes), a million times on a big hub.
+#[derive(Default)]
+struct Interner {
+    set: HashSet<Arc<str>>,
+    /// Its size after the last sweep: strings nothing else holds any more are dropped
+    /// when it has doubled, so it stays within twice what the reports hold (and a
+    /// member that sends a new hash with every report cannot grow it).
+    swept: usize,
+}
+
+impl Interner {
+    /// Strings kept before the first sweep.
+    const FLOOR: usize = 1024;
+
+    fn get(&mut self, s: &str) -> Arc<str> {
+        if let Some(shared) = self.set.get(s) {
+            return shared.clone();
+        }
+        if self.set.len() >= 2 * self.swept.max(Self::FLOOR) {
+            self.set.retain(|shared| Arc::strong_count(shared) > 1);
+            self.swept = self.set.len();
+        }
+        let shared: Arc<str> = s.into();
+        self.set.insert(shared.clone());
+        shared
+    }
 }
 
 /// What one progressive app's rollout read of the reports, and when.
@@ -117,7 +146,7 @@ struct Board {
 struct Rollout {
     /// By cluster: the hash and readiness last seen, and since when this hub sees them
     /// (a rollout's soak and deadline count from it).
-    since: HashMap<String, (String, bool, std::time::Instant)>,
+    since: HashMap<Arc<str>, (Arc<str>, bool, std::time::Instant)>,
     /// Reports that moved the rollout so far.
     moved: u64,
     /// `moved` when the planner last read the reports, and when the plan on the board
@@ -213,7 +242,7 @@ pub struct StatusBoard {
 /// A cluster's report as a rollout reads it: the hash, and Ready at its generation.
 fn rollout_view(r: &Report) -> (bool, bool, bool) {
     let ready = r.exists && r.ready && r.observed_generation >= r.generation;
-    (ready, r.degraded.is_some(), r.apply_error.is_some())
+    (ready, r.degraded().is_some(), r.apply_error().is_some())
 }
 
 impl StatusBoard {
@@ -242,7 +271,7 @@ impl StatusBoard {
         let _ = self.planner.set(planner);
     }
 
-    pub fn report(&self, cluster: &str, key: &AppKey, report: Report) {
+    pub fn report(&self, cluster: &str, key: &AppKey, mut report: Report) {
         let mut guard = self.board.lock();
         let b = &mut *guard;
         let progressive = b.plans.get(key).is_some_and(|p| p.progressive());
@@ -251,6 +280,8 @@ impl StatusBoard {
         if before == Some(&report) {
             return;
         }
+        report.hash = b.strings.get(&report.hash);
+        let cluster = b.strings.get(cluster);
         // Only a progressive app's rollout reads the hash and readiness over time.
         let moves = progressive
             && before
@@ -259,13 +290,13 @@ impl StatusBoard {
             let (ready, _, _) = rollout_view(&report);
             let rollout = b.rollouts.entry(key.clone()).or_default();
             rollout.moved += 1;
-            let same = |(h, r, _): &(String, bool, _)| *h == report.hash && *r == ready;
-            if !rollout.since.get(cluster).is_some_and(same) {
+            let same = |(h, r, _): &(Arc<str>, bool, _)| *h == report.hash && *r == ready;
+            if !rollout.since.get(&cluster).is_some_and(same) {
                 let seen = (report.hash.clone(), ready, std::time::Instant::now());
-                rollout.since.insert(cluster.to_owned(), seen);
+                rollout.since.insert(cluster.clone(), seen);
             }
         }
-        Arc::make_mut(reports).insert(cluster.to_owned(), report);
+        Arc::make_mut(reports).insert(cluster, report);
         drop(guard);
         self.dirty.mark(key.clone());
         if moves && let Some(planner) = self.planner.get() {
@@ -294,16 +325,13 @@ impl StatusBoard {
                 *entry = fresh;
             }
             let seen = Seen {
-                hash: r.hash.clone(),
+                hash: r.hash.to_string(),
                 ready,
-                degraded: r
-                    .degraded
-                    .as_ref()
-                    .map(|(reason, m)| format!("{reason}: {m}")),
-                apply_error: r.apply_error.clone(),
+                degraded: (r.degraded()).map(|(reason, m)| format!("{reason}: {m}")),
+                apply_error: r.apply_error().map(str::to_owned),
                 since: entry.2,
             };
-            (cluster.clone(), seen)
+            (cluster.to_string(), seen)
         });
         seen.collect()
     }

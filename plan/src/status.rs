@@ -13,6 +13,7 @@
 //! the whole division in compact form. [`detail`] is the same fold with nothing left out.
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 
 use flotilla_crds::condition;
 use flotilla_crds::federated::{
@@ -31,23 +32,34 @@ pub const CLUSTER_MESSAGE_MAX: usize = 256;
 pub const CONDITION_MESSAGE_MAX: usize = 1024;
 
 /// What an agent last said about one MyApp: the wire's `StatusReport`, as the hub
-/// reads it.
+/// reads it. A hub holds one per (app, cluster), a million on a big fleet, so a healthy
+/// report is small: the hash is shared ([`Arc`]) and the words are boxed.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Report {
     /// The content hash of the MyApp the status belongs to.
-    pub hash: String,
+    pub hash: Arc<str>,
     pub exists: bool,
     pub ready: bool,
     pub ready_replicas: i32,
     pub observed_generation: i64,
     pub generation: i64,
+    /// The pods the member's MyApp runs, whoever decided how many (absent from older
+    /// agents).
+    pub replicas: Option<i32>,
+    /// What it says in words, absent when it says nothing ([`Report::with_words`]).
+    pub words: Option<Box<Words>>,
+}
+
+/// One app's reports by cluster; the hub shares one name per cluster among them.
+pub type Reports = BTreeMap<Arc<str>, Report>;
+
+/// What a report says in words: rare on a healthy fleet.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Words {
     /// The MyApp's `Degraded` condition, when True: reason and message.
     pub degraded: Option<(String, String)>,
     /// Why the agent could not apply (or remove) it; it retries by itself.
     pub apply_error: Option<String>,
-    /// The pods the member's MyApp runs, whoever decided how many (absent from older
-    /// agents).
-    pub replicas: Option<i32>,
     /// The autoscaler in the member that owns the replicas, in words.
     pub autoscaler: Option<String>,
     /// Spec fields someone else changed in the member since the agent applied it, in
@@ -56,10 +68,37 @@ pub struct Report {
 }
 
 impl Report {
+    /// The report with these words; none at all are stored as `None`, so that equal
+    /// reports compare equal.
+    pub fn with_words(self, words: Words) -> Report {
+        let words = Some(Box::new(words)).filter(|w| **w != Words::default());
+        Report { words, ..self }
+    }
+
+    fn said(&self) -> Option<&Words> {
+        self.words.as_deref()
+    }
+
+    pub fn degraded(&self) -> Option<&(String, String)> {
+        self.said()?.degraded.as_ref()
+    }
+
+    pub fn apply_error(&self) -> Option<&str> {
+        self.said()?.apply_error.as_deref()
+    }
+
+    pub fn autoscaler(&self) -> Option<&str> {
+        self.said()?.autoscaler.as_deref()
+    }
+
+    pub fn drift(&self) -> Option<&str> {
+        self.said()?.drift.as_deref()
+    }
+
     pub fn held(&self) -> Held {
-        match (&self.apply_error, self.exists) {
+        match (self.apply_error(), self.exists) {
             (Some(_), _) => Held::Failed,
-            (None, true) if self.drift.is_some() => Held::Drifted,
+            (None, true) if self.drift().is_some() => Held::Drifted,
             (None, true) => Held::Present,
             (None, false) => Held::Absent,
         }
@@ -69,7 +108,7 @@ impl Report {
         if self.observed_generation < self.generation {
             return "the operator has not observed the latest spec yet".into();
         }
-        match &self.degraded {
+        match self.degraded() {
             Some((reason, message)) => format!("{reason}: {message}"),
             None => format!("{} replica(s) ready", self.ready_replicas),
         }
@@ -124,7 +163,7 @@ pub struct Inputs<'a> {
     pub plan: &'a AppPlan,
     /// The app is being deleted and these clusters have not confirmed it.
     pub deleting_on: Option<&'a [String]>,
-    pub reports: Option<&'a BTreeMap<String, Report>>,
+    pub reports: Option<&'a Reports>,
     /// Clusters whose MemberCluster is Ready (its agent heartbeated within the grace). A
     /// session that ends does not change it: a reconnect within the grace changes no
     /// status.
@@ -301,7 +340,7 @@ enum Standing {
 fn tally(inputs: &Inputs<'_>, message_max: usize) -> Tally {
     let mut tally = Tally::default();
     for (name, planned) in inputs.plan.reported() {
-        let report = inputs.reports.and_then(|r| r.get(name));
+        let report = inputs.reports.and_then(|r| r.get(name.as_str()));
         let mut entry = ClusterStatus {
             name: name.clone(),
             ..Default::default()
@@ -309,7 +348,7 @@ fn tally(inputs: &Inputs<'_>, message_max: usize) -> Tally {
         if let Some(r) = report.filter(|r| r.exists) {
             entry.ready_replicas = r.ready_replicas;
             entry.current_replicas = r.replicas;
-            entry.autoscaler = r.autoscaler.as_ref().map(|a| cut(a.clone(), message_max));
+            entry.autoscaler = r.autoscaler().map(|a| cut(a.to_owned(), message_max));
             entry.observed_generation = Some(r.observed_generation);
         }
         let standing = match planned {
@@ -364,22 +403,21 @@ fn standing(hash: &str, reachable: bool, report: Option<&Report>) -> Standing {
             Reason::AgentDisconnected,
             "the cluster's agent has not heartbeated within the grace period (MemberCluster NotReady); its last applied MyApp keeps running".to_owned(),
         ),
-        Some(Report {
-            apply_error: Some(e),
-            ..
-        }) => Standing::Behind(
+        Some(r) if r.apply_error().is_some() => Standing::Behind(
             Reason::ApplyFailed,
-            format!("applying the MyApp failed (the agent retries): {e}"),
+            format!(
+                "applying the MyApp failed (the agent retries): {}",
+                r.apply_error().unwrap_or_default()
+            ),
         ),
-        Some(Report {
-            exists: true,
-            drift: Some(drift),
-            ..
-        }) => Standing::Behind(
+        Some(r) if r.exists && r.drift().is_some() => Standing::Behind(
             Reason::Drifted,
-            format!("its MyApp was changed in the member ({drift}); the hub applied it again"),
+            format!(
+                "its MyApp was changed in the member ({}); the hub applied it again",
+                r.drift().unwrap_or_default()
+            ),
         ),
-        Some(r) if r.exists && r.hash == hash => {
+        Some(r) if r.exists && *r.hash == *hash => {
             if r.ready && r.observed_generation >= r.generation {
                 Standing::Ready
             } else {
@@ -591,7 +629,6 @@ mod bounded;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     use crate::admission::Refusal;
     use crate::placement::SelectorError;
@@ -649,7 +686,7 @@ mod tests {
     }
 
     fn run(plan: &AppPlan, reports: &[(&str, Report)], reachable: &[&str]) -> FederatedMyAppStatus {
-        let reports: BTreeMap<String, Report> = reports
+        let reports: Reports = reports
             .iter()
             .map(|(c, r)| ((*c).into(), r.clone()))
             .collect();
@@ -707,9 +744,12 @@ mod tests {
         ]);
         let scaled = Report {
             replicas: Some(4),
-            autoscaler: Some("HorizontalPodAutoscaler web scales the MyApp".into()),
             ..report("h1", true, 4)
-        };
+        }
+        .with_words(Words {
+            autoscaler: Some("HorizontalPodAutoscaler web scales the MyApp".into()),
+            ..Words::default()
+        });
         let plain = Report {
             replicas: Some(2),
             ..report("h2", true, 2)
@@ -797,10 +837,10 @@ mod tests {
     #[test]
     fn a_drifted_cluster_is_not_propagated_and_names_the_drift() {
         let p = plan(&[("c1", rendered("h")), ("c2", rendered("h"))]);
-        let drifted = Report {
+        let drifted = report("h", true, 3).with_words(Words {
             drift: Some("spec.image by kubectl-edit".into()),
-            ..report("h", true, 3)
-        };
+            ..Words::default()
+        });
         let s = run(
             &p,
             &[("c1", drifted), ("c2", report("h", true, 3))],
@@ -896,8 +936,10 @@ mod tests {
     #[test]
     fn disconnected_agent_and_apply_errors_are_named() {
         let p = plan(&[("c1", rendered("h1")), ("c2", rendered("h2"))]);
-        let mut failed = report("h2", false, 0);
-        failed.apply_error = Some("admission webhook denied".into());
+        let failed = report("h2", false, 0).with_words(Words {
+            apply_error: Some("admission webhook denied".into()),
+            ..Words::default()
+        });
         let s = run(
             &p,
             &[("c1", report("h1", true, 3)), ("c2", failed)],
@@ -922,9 +964,12 @@ mod tests {
             ready_replicas: 1,
             observed_generation: 1,
             generation: 1,
-            degraded: Some(("ImageMissing".into(), "spec.image is not set".into())),
             ..Default::default()
-        };
+        }
+        .with_words(Words {
+            degraded: Some(("ImageMissing".into(), "spec.image is not set".into())),
+            ..Words::default()
+        });
         let s = run(&p, &[("c1", r)], &["c1"]);
         assert_eq!(
             cond(&s, "Ready").message,
@@ -986,7 +1031,7 @@ mod tests {
         let p = plan(&[("c1", rendered("h1"))]);
         let first = run(&p, &[("c1", report("h1", true, 3))], &["c1"]);
         let later = Time(Timestamp::from_second(1_800_000_000).unwrap());
-        let reports: BTreeMap<String, Report> = [("c1".to_owned(), report("h1", true, 3))].into();
+        let reports: Reports = [("c1".into(), report("h1", true, 3))].into();
         let reachable: HashSet<String> = ["c1".to_owned()].into();
         let inputs = Inputs {
             plan: &p,
@@ -1024,9 +1069,12 @@ mod tests {
         let r = |exists: bool, error: Option<&str>| {
             Report {
                 exists,
-                apply_error: error.map(str::to_owned),
                 ..Default::default()
             }
+            .with_words(Words {
+                apply_error: error.map(str::to_owned),
+                ..Words::default()
+            })
             .held()
         };
         assert_eq!(r(true, None), Held::Present);
@@ -1038,8 +1086,10 @@ mod tests {
     #[test]
     fn an_apply_error_clears_when_a_good_report_follows() {
         let p = plan(&[("c1", rendered("h1"))]);
-        let mut failed = report("h1", false, 0);
-        failed.apply_error = Some("namespace \"team\" not found".into());
+        let failed = report("h1", false, 0).with_words(Words {
+            apply_error: Some("namespace \"team\" not found".into()),
+            ..Words::default()
+        });
         let s = run(&p, &[("c1", failed)], &["c1"]);
         assert_eq!(cond(&s, "Propagated").reason, "ApplyFailed");
         let s = run(&p, &[("c1", report("h1", true, 1))], &["c1"]);
@@ -1124,14 +1174,14 @@ mod tests {
                     Case::Ready | Case::Disconnected => Some(report(&hash, true, 1)),
                     Case::NotReady => Some(report(&hash, false, 0)),
                     Case::OldVersion => Some(report("older", true, 1)),
-                    Case::ApplyFailed => Some(Report {
+                    Case::ApplyFailed => Some(report(&hash, false, 0).with_words(Words {
                         apply_error: Some("webhook denied".into()),
-                        ..report(&hash, false, 0)
-                    }),
+                        ..Words::default()
+                    })),
                     _ => None,
                 };
                 if let Some(r) = r {
-                    reports.insert(name.clone(), r);
+                    reports.insert(name.as_str().into(), r);
                 }
                 if !matches!(c, Case::Disconnected) {
                     reachable.insert(name.clone());

@@ -1,6 +1,7 @@
 use super::*;
 use flotilla_plan::KeepReason;
 use flotilla_plan::render::RenderedMyApp;
+use flotilla_plan::status::Words;
 use kube::runtime::{reflector, watcher};
 
 fn rendered(hash: &str) -> ClusterPlan {
@@ -419,10 +420,10 @@ fn reports_that_move_a_rollout_tell_the_planner_and_date_what_they_show() {
     let now = board.observed(&gated)["c1"].clone();
     assert!(now.ready && now.since >= first.since);
     // A Degraded report moves it too (a halt), and is read with its reason.
-    let degraded = Report {
+    let degraded = ready("h1").with_words(Words {
         degraded: Some(("ImagePull".into(), "no such image".into())),
-        ..ready("h1")
-    };
+        ..Words::default()
+    });
     board.report("c1", &gated, degraded);
     assert_eq!(rx.try_recv().ok(), Some(Trigger::Observed(gated.clone())));
     let seen = board.observed(&gated)["c1"].clone();
@@ -490,4 +491,50 @@ fn a_plan_gated_on_older_reports_makes_the_status_wait() {
     );
     board.set_plan(&key, plan(&[("c1", rendered("h1"))]));
     assert!(!waits(&board));
+}
+
+/// A million reports on a big hub repeat a few cluster names and hashes: each is held
+/// once, whichever report brought it.
+#[test]
+fn reports_share_one_copy_of_each_cluster_name_and_hash() {
+    let board = StatusBoard::default();
+    let (a, b) = (AppKey::new("ns", "a"), AppKey::new("ns", "b"));
+    for key in [&a, &b] {
+        for cluster in ["c1", "c2"] {
+            board.report(cluster, key, ready("h1"));
+        }
+    }
+    let board = board.board.lock();
+    let held: Vec<(&Arc<str>, &Report)> = (board.reports.values())
+        .flat_map(|reports| reports.iter())
+        .collect();
+    assert_eq!(held.len(), 4);
+    let (c1, hash) = (held[0].0, &held[0].1.hash);
+    assert!(held.iter().all(|(_, r)| Arc::ptr_eq(&r.hash, hash)));
+    let c1s = held.iter().filter(|(c, _)| Arc::ptr_eq(c, c1)).count();
+    assert_eq!(c1s, 2, "both apps' reports of c1 hold one name");
+}
+
+/// A member that sends a new hash with every report leaves behind only strings that
+/// nothing holds: the interner drops them, so it stays within twice what is held.
+#[test]
+fn the_interner_drops_strings_nothing_holds() {
+    let mut strings = Interner::default();
+    let kept: Vec<Arc<str>> = (0..100)
+        .map(|i| strings.get(&format!("kept-{i}")))
+        .collect();
+    let mut latest = strings.get("hash-0");
+    for i in 1..100_000 {
+        latest = strings.get(&format!("hash-{i}"));
+        assert!(
+            strings.set.len() <= 2 * Interner::FLOOR,
+            "{}",
+            strings.set.len()
+        );
+    }
+    assert!(
+        kept.iter().all(|k| strings.set.contains(k)),
+        "held strings stay"
+    );
+    assert!(Arc::ptr_eq(&strings.get("hash-99999"), &latest));
 }

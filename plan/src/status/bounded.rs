@@ -68,14 +68,16 @@ fn ready(ready: i32) -> Report {
 }
 
 struct Case {
-    reports: BTreeMap<String, Report>,
+    reports: Reports,
     reachable: HashSet<String>,
 }
 
 impl Case {
     fn new(k: usize, report: impl Fn(usize) -> Option<Report>, reachable: bool) -> Case {
         Case {
-            reports: (0..k).filter_map(|i| Some((name(i), report(i)?))).collect(),
+            reports: (0..k)
+                .filter_map(|i| Some((name(i).into(), report(i)?)))
+                .collect(),
             reachable: if reachable {
                 (0..k).map(name).collect()
             } else {
@@ -107,10 +109,10 @@ fn a_thousand_clusters_fit_in_16_kib_in_every_state() {
     let k = 1000;
     let error = "x".repeat(4096);
     let failing = |_| {
-        Some(Report {
+        Some(Report::default().with_words(Words {
             apply_error: Some(error.clone()),
-            ..Default::default()
-        })
+            ..Words::default()
+        }))
     };
     let half_ready = |i: usize| Some(ready((i % 2) as i32));
     let cases = [
@@ -228,10 +230,10 @@ fn the_most_urgent_clusters_are_listed_first() {
     let case = Case::new(
         k,
         |i| match i {
-            90.. => Some(Report {
+            90.. => Some(Report::default().with_words(Words {
                 apply_error: Some("denied".into()),
-                ..Default::default()
-            }),
+                ..Words::default()
+            })),
             50..=89 => None,
             _ => Some(ready(2)),
         },
