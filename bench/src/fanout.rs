@@ -233,7 +233,8 @@ pub async fn serve(role: Role, size: Size) -> Result<()> {
         }
         Role::Floor => {
             let bare = Bare::new(&size)?;
-            let listener = tokio::net::TcpListener::bind(addr).await?;
+            // The hub's backlog, so that both accept a fleet dialling at once alike.
+            let listener = flotilla_hub::edge::listen(addr)?;
             let router = Server::builder()
                 .tls_config(ServerTlsConfig::new().identity(identity))?
                 .add_service(

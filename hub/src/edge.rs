@@ -5,6 +5,7 @@
 
 use std::collections::HashSet;
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -19,7 +20,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
@@ -36,6 +37,12 @@ pub const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// overlap a connection not yet found dead by keepalive (after a hub failover, all of
 /// them at once).
 pub const MAX_AGENT_CONNECTIONS: usize = 15_000;
+/// Connections the kernel holds for the hub before it accepts them (capped by
+/// `net.core.somaxconn`). When a fleet dials at once (a hub failover), TLS handshakes
+/// keep the runtime busy and the accept loop falls behind; past tokio's default of
+/// 1024, the kernel drops the SYNs and each of those agents waits for a retransmit
+/// (1 s, then 3 s, 7 s, 15 s, ...).
+pub const ACCEPT_BACKLOG: u32 = 16_384;
 /// An agent opens one session stream per connection; a few more let a reconnect on the
 /// same connection overlap the old stream's end.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 4;
@@ -63,6 +70,18 @@ impl Default for EdgeLimits {
             max_streams_per_connection: MAX_STREAMS_PER_CONNECTION,
         }
     }
+}
+
+/// Binds the gRPC port with a backlog of [`ACCEPT_BACKLOG`].
+pub fn listen(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => TcpSocket::new_v6()?,
+    };
+    // As tokio's `TcpListener::bind` does: a restarted hub binds again at once.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(ACCEPT_BACKLOG)
 }
 
 /// The transport the hub serves agents with over [`incoming`]'s TLS connections: few
@@ -304,5 +323,31 @@ impl RefusalMetrics {
                 reason: refusal.label(),
             })
             .get()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fleet that dials while the hub is busy waits in the kernel's accept queue
+    /// instead of losing its SYNs: with tokio's default backlog (1024) a fan-out to
+    /// 10,000 agents took 112 s of retransmits instead of 14 s (BENCHMARKS.md).
+    #[tokio::test]
+    async fn a_fleet_dialling_at_once_is_queued_not_dropped() {
+        let somaxconn =
+            std::fs::read_to_string("/proc/sys/net/core/somaxconn").expect("net.core.somaxconn");
+        let somaxconn: usize = somaxconn.trim().parse().expect("a number");
+        let queued = somaxconn.min(ACCEPT_BACKLOG as usize);
+        let listener = listen("127.0.0.1:0".parse().unwrap()).expect("binds");
+        let addr = listener.local_addr().unwrap();
+        // Nothing accepts: each connection must be held in the queue.
+        let dial = || tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr));
+        let dials = futures::future::join_all((0..queued).map(|_| dial())).await;
+        let held = dials.iter().filter(|d| matches!(d, Ok(Ok(_)))).count();
+        assert_eq!(
+            held, queued,
+            "connections held, of {queued} (somaxconn {somaxconn})"
+        );
     }
 }

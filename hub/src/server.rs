@@ -81,9 +81,8 @@ pub async fn serve(
     service: FederationService,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the gRPC address {addr}"))?;
+    let listener =
+        edge::listen(addr).with_context(|| format!("binding the gRPC address {addr}"))?;
     info!(grpc = %addr, "serving agents");
     let dispatcher = service.dispatcher.clone();
     let refusals = service.refusals.clone();
