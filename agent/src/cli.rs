@@ -1,6 +1,7 @@
 //! Command line: `run` joins the hub; `operator` runs the MyApp operator alone against
-//! the current kubeconfig (or the in-cluster config), for one cluster without a hub.
-//! Both are wired in [`crate::run`].
+//! the current kubeconfig (or the in-cluster config), for one cluster without a hub;
+//! `webhook` serves the MyApp conversion webhook alone (what the OLM package owning the
+//! MyApp CRD runs). All are wired in [`crate::run`].
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -49,6 +50,10 @@ pub enum Command {
     Run(RunArgs),
     /// Run the MyApp operator (and its conversion webhook) without a hub.
     Operator(OperatorArgs),
+    /// Serve only the MyApp conversion webhook (and /healthz, /readyz, /metrics): no
+    /// operator, no hub, no leader election. The OLM package that owns the MyApp CRD
+    /// runs this, beside operators scoped to some namespaces.
+    Webhook(WebhookServeArgs),
     /// Print the version.
     Version,
     /// Print a shell completion script, e.g. `flotilla-agent completion bash`.
@@ -168,8 +173,15 @@ pub struct OperatorArgs {
     /// Reconcile every MyApp again after this long, e.g. `1h`, `30m`.
     #[arg(long, default_value = "1h", value_parser = parse_duration)]
     pub resync: Duration,
-    /// Watch only these namespaces (repeat or comma-separate); all namespaces if absent.
-    #[arg(long = "namespace", short = 'n', value_delimiter = ',')]
+    /// Watch only these namespaces (repeat or comma-separate); all namespaces if absent
+    /// or empty. Under OLM the environment variable carries the OperatorGroup's target
+    /// namespaces (the pod's annotation `olm.targetNamespaces`, empty for AllNamespaces).
+    #[arg(
+        long = "namespace",
+        short = 'n',
+        value_delimiter = ',',
+        env = "FLOTILLA_OPERATOR_NAMESPACES"
+    )]
     pub namespaces: Vec<String>,
     /// Reconciles running at once (0: unbounded).
     #[arg(long, default_value_t = 16)]
@@ -191,6 +203,16 @@ pub struct OperatorArgs {
     /// the conversion webhook and wait for the Lease, touching nothing.
     #[command(flatten)]
     pub leader: leader::LeaderArgs,
+}
+
+/// `flotilla-agent webhook`: the conversion webhook and the HTTP endpoints, nothing else.
+#[derive(Args, Debug)]
+pub struct WebhookServeArgs {
+    /// Address of /healthz, /readyz and /metrics.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    pub http_addr: SocketAddr,
+    #[command(flatten)]
+    pub webhook: WebhookArgs,
 }
 
 /// The conversion webhook. Without `--webhook-url` or `--webhook-service` it serves but
@@ -237,10 +259,19 @@ impl WebhookArgs {
 impl OperatorArgs {
     pub fn operator_config(&self) -> OperatorConfig {
         OperatorConfig {
-            namespaces: if self.namespaces.is_empty() {
-                Namespaces::All
-            } else {
-                Namespaces::Only(self.namespaces.clone())
+            namespaces: {
+                // An empty value (OLM's AllNamespaces) names no namespace.
+                let named: Vec<String> = self
+                    .namespaces
+                    .iter()
+                    .filter(|n| !n.is_empty())
+                    .cloned()
+                    .collect();
+                if named.is_empty() {
+                    Namespaces::All
+                } else {
+                    Namespaces::Only(named)
+                }
             },
             resync: self.resync,
             concurrency: self.concurrency,
@@ -300,6 +331,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             telemetry::init(cli.log_json);
             crate::run::serve(&cli.kube, args, None).await
         }
+        Command::Webhook(args) => {
+            telemetry::init(cli.log_json);
+            crate::run::serve_webhook(&cli.kube, args).await
+        }
         Command::Run(args) => {
             telemetry::init(cli.log_json);
             let session = args.session_config()?;
@@ -339,6 +374,66 @@ mod tests {
             parse(&["--resync", "1h30m"]).resync,
             Duration::from_secs(5400)
         );
+    }
+
+    /// OLM's `olm.targetNamespaces` reaches `--namespace` through the environment: a
+    /// list for Own/Single/MultiNamespace, empty for AllNamespaces. clap hands an
+    /// environment value to the same parser as one on the command line (split at
+    /// commas), so the command line stands in for it here (tests may not set the
+    /// process environment).
+    #[test]
+    fn olms_target_namespaces_reach_the_operator() {
+        use clap::CommandFactory;
+        let command = Cli::command();
+        let operator = command.find_subcommand("operator").unwrap();
+        let arg = operator
+            .get_arguments()
+            .find(|a| a.get_id() == "namespaces")
+            .unwrap();
+        assert_eq!(
+            arg.get_env(),
+            Some(std::ffi::OsStr::new("FLOTILLA_OPERATOR_NAMESPACES"))
+        );
+        assert_eq!(
+            parse(&["--namespace=team-a,team-b"])
+                .operator_config()
+                .namespaces,
+            Namespaces::Only(vec!["team-a".into(), "team-b".into()])
+        );
+        assert_eq!(
+            parse(&["--namespace=team-a"]).operator_config().namespaces,
+            Namespaces::Only(vec!["team-a".into()])
+        );
+        assert_eq!(
+            parse(&["--namespace="]).operator_config().namespaces,
+            Namespaces::All,
+            "AllNamespaces' empty annotation watches everything"
+        );
+    }
+
+    /// `webhook` serves the mounted certificate and nothing else: no CRD to patch.
+    #[test]
+    fn the_webhook_command_serves_a_certificate_alone() {
+        let cli = Cli::try_parse_from([
+            "flotilla-agent",
+            "webhook",
+            "--webhook-cert=/certs/tls.crt",
+            "--webhook-key=/certs/tls.key",
+            "--http-addr=127.0.0.1:18080",
+        ])
+        .unwrap();
+        let Command::Webhook(args) = cli.command else {
+            panic!("parsed as the webhook command")
+        };
+        let config = args.webhook.webhook_config();
+        assert_eq!(
+            config.cert_files,
+            Some(("/certs/tls.crt".into(), "/certs/tls.key".into()))
+        );
+        assert!(config.endpoint.is_none());
+        assert_eq!(args.http_addr, "127.0.0.1:18080".parse().unwrap());
+        // The operator's flags are not the webhook's.
+        assert!(Cli::try_parse_from(["flotilla-agent", "webhook", "--namespace=a"]).is_err());
     }
 
     #[test]

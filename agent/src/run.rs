@@ -1,4 +1,5 @@
-//! `flotilla-agent run` and `flotilla-agent operator`: one supervised process (see
+//! `flotilla-agent webhook` ([`serve_webhook`]: the webhook and the HTTP endpoints alone),
+//! and `flotilla-agent run` and `flotilla-agent operator`: one supervised process (see
 //! `flotilla_common::supervise`) of four tasks, as the hub's `run` wires its own:
 //!
 //! - `http`: /healthz, /readyz and /metrics;
@@ -40,7 +41,7 @@ use crate::autoscale::{self, Autoscalers};
 use crate::bounds;
 use crate::cache;
 use crate::capacity;
-use crate::cli::OperatorArgs;
+use crate::cli::{OperatorArgs, WebhookServeArgs};
 use crate::handback;
 use crate::operator;
 use crate::scaler;
@@ -149,6 +150,39 @@ pub async fn serve(
     info!(http = %args.http_addr, "flotilla-agent starting");
     tasks.run().await?;
     info!("flotilla-agent stopped");
+    Ok(())
+}
+
+/// `flotilla-agent webhook`: the conversion webhook and the HTTP endpoints until
+/// SIGTERM; no operator, no session, no election (every replica serves).
+pub async fn serve_webhook(kube: &KubeArgs, args: WebhookServeArgs) -> anyhow::Result<()> {
+    let shutdown = shutdown::on_signal().context("installing the SIGTERM handler")?;
+    let kube_config = kube.config().await.context("connecting to Kubernetes")?;
+    let client = kube::Client::try_from(kube_config).context("connecting to Kubernetes")?;
+    let readiness = Readiness::default();
+    let webhook_ready = readiness.gate("webhook");
+    let mut tasks = Supervisor::new(shutdown.clone(), SHUTDOWN_GRACE);
+    let addr = args.http_addr;
+    let endpoints = http::serve(
+        addr,
+        http::router(Arc::new(Metrics::default()), readiness),
+        shutdown.clone(),
+    );
+    tasks.spawn("http", async move {
+        (endpoints.await).with_context(|| format!("serving /healthz, /readyz, /metrics on {addr}"))
+    });
+    let webhook = run_webhook(
+        client,
+        args.webhook.webhook_config(),
+        webhook_ready,
+        shutdown.clone(),
+    );
+    tasks.spawn("webhook", async move {
+        webhook.await.context("conversion webhook")
+    });
+    info!(http = %addr, webhook = %args.webhook.webhook_addr, "flotilla-agent webhook starting");
+    tasks.run().await?;
+    info!("flotilla-agent webhook stopped");
     Ok(())
 }
 

@@ -120,14 +120,15 @@ fn channel_entry(bundle: &Bundle) -> Value {
 /// The `olm.bundle` blob as `opm render` makes it from the bundle directory, with its
 /// objects migrated to `olm.csv.metadata` (OLM reads the manifests from the image).
 fn olm_bundle(bundle: &Bundle, csv: &Value) -> Value {
-    let crd_names = &csv["spec"]["customresourcedefinitions"]["owned"];
-    let mut properties: Vec<Value> = crd_names
-        .as_array()
+    // Owned APIs are `olm.gvk`, required ones `olm.gvk.required` (what OLM resolves).
+    let crds = &csv["spec"]["customresourcedefinitions"];
+    let mut properties: Vec<Value> = [("owned", "olm.gvk"), ("required", "olm.gvk.required")]
         .into_iter()
-        .flatten()
-        .map(|owned| {
-            let group = owned["name"].as_str().unwrap_or_default().split_once('.').map(|(_, g)| g);
-            json!({"type": "olm.gvk", "value": {"group": group, "kind": owned["kind"], "version": owned["version"]}})
+        .flat_map(|(field, kind)| {
+            crds[field].as_array().into_iter().flatten().map(move |crd| {
+                let group = crd["name"].as_str().unwrap_or_default().split_once('.').map(|(_, g)| g);
+                json!({"type": kind, "value": {"group": group, "kind": crd["kind"], "version": crd["version"]}})
+            })
         })
         .collect();
     properties.push(json!({"type": "olm.package", "value": {

@@ -3,7 +3,7 @@
 use serde_json::{Map, Value, json};
 
 use crate::install::Install;
-use crate::{Bundle, descriptors};
+use crate::{Bundle, Part, descriptors};
 
 /// What the operator creates for each MyApp (shown by consoles beside the CRD).
 const CREATES: [(&str, &str); 2] = [("ConfigMap", "v1"), ("Deployment", "v1")];
@@ -27,11 +27,15 @@ pub fn examples() -> Vec<Value> {
 }
 
 pub fn csv(bundle: &Bundle, install: &Install) -> Value {
+    let part = bundle.package.part;
     let mut annotations = Map::new();
-    annotations.insert(
-        "alm-examples".into(),
-        json!(Value::from(examples()).to_string()),
-    );
+    // The operator provides no API, so no examples: an empty list (operator-framework's
+    // validators want the annotation, and examples of provided APIs only).
+    let mut shown = examples();
+    if part == Part::Operator {
+        shown.clear();
+    }
+    annotations.insert("alm-examples".into(), json!(Value::from(shown).to_string()));
     annotations.insert("capabilities".into(), json!("Basic Install"));
     annotations.insert("categories".into(), json!("Application Runtime"));
     annotations.insert("containerImage".into(), json!(bundle.operator_image()));
@@ -51,12 +55,17 @@ pub fn csv(bundle: &Bundle, install: &Install) -> Value {
         "minKubeVersion": install.min_kube_version,
         "provider": {"name": "Flotilla"},
         "keywords": ["federation", "multi-cluster", "myapp", "operator"],
-        "installModes": install_modes(),
-        "customresourcedefinitions": {"owned": descriptors::owned(&install.crd, &CREATES)},
+        "installModes": install_modes(part),
         "install": {"strategy": "deployment", "spec": strategy(bundle, install)},
-        "webhookdefinitions": [conversion_webhook(install)],
         "relatedImages": [{"name": "flotilla-agent", "image": bundle.operator_image()}],
     });
+    if part == Part::Operator {
+        spec["customresourcedefinitions"] = json!({"required": [required(&install.crd)]});
+    } else {
+        spec["customresourcedefinitions"] =
+            json!({"owned": descriptors::owned(&install.crd, &CREATES)});
+        spec["webhookdefinitions"] = json!([conversion_webhook(install)]);
+    }
     if let Some(previous) = bundle.replaces() {
         spec["replaces"] = json!(previous);
     }
@@ -75,15 +84,42 @@ pub fn csv(bundle: &Bundle, install: &Install) -> Value {
     })
 }
 
-/// Only `AllNamespaces`: OLM (v0 and v1) installs a bundle with a conversion webhook in
-/// no other mode, since the CRD, and so its webhook, serve the whole cluster.
-fn install_modes() -> Value {
+/// A bundle with a conversion webhook: `AllNamespaces` only. OLM v0 refuses to write
+/// a conversion webhook for a CSV supporting any other mode (`isSingletonOperator` in
+/// `pkg/controller/install/webhook.go`), v1 too: the CRD, and so its webhook, serve
+/// the whole cluster. The operator alone supports every mode.
+fn install_modes(part: Part) -> Value {
+    let scoped = part == Part::Operator;
     json!([
-        {"type": "OwnNamespace", "supported": false},
-        {"type": "SingleNamespace", "supported": false},
-        {"type": "MultiNamespace", "supported": false},
+        {"type": "OwnNamespace", "supported": scoped},
+        {"type": "SingleNamespace", "supported": scoped},
+        {"type": "MultiNamespace", "supported": scoped},
         {"type": "AllNamespaces", "supported": true},
     ])
+}
+
+/// The MyApp API the operator requires, at the CRD's stored version: OLM resolves it
+/// (`olm.gvk.required`) to the package that owns it, and the CSV waits until the CRD
+/// serves it.
+fn required(crd: &Value) -> Value {
+    let spec = &crd["spec"];
+    let stored = spec["versions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|v| v["storage"] == true);
+    let kind = &spec["names"]["kind"];
+    let mut out = json!({
+        "name": crd["metadata"]["name"],
+        "version": stored.map(|v| v["name"].clone()).unwrap_or_default(),
+        "kind": kind,
+        "displayName": kind,
+    });
+    if let Some(text) = stored.and_then(|v| v["schema"]["openAPIV3Schema"]["description"].as_str())
+    {
+        out["description"] = json!(text);
+    }
+    out
 }
 
 fn strategy(bundle: &Bundle, install: &Install) -> Value {
@@ -92,13 +128,16 @@ fn strategy(bundle: &Bundle, install: &Install) -> Value {
         json!(bundle.operator_image());
     let account = &install.service_account;
     let mut spec = json!({
-        "clusterPermissions": [{"serviceAccountName": account, "rules": install.cluster_rules}],
         "deployments": [{
             "name": deployment["metadata"]["name"],
             "label": deployment["metadata"]["labels"],
             "spec": deployment["spec"],
         }],
     });
+    if !install.cluster_rules.is_empty() {
+        spec["clusterPermissions"] =
+            json!([{"serviceAccountName": account, "rules": install.cluster_rules}]);
+    }
     if !install.namespace_rules.is_empty() {
         spec["permissions"] =
             json!([{"serviceAccountName": account, "rules": install.namespace_rules}]);

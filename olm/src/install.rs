@@ -6,8 +6,8 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
-use crate::Error;
 use crate::kustomize::Build;
+use crate::{Error, Part};
 
 /// Where OLM (v0 and v1 alike) mounts the webhook's serving certificate, as `tls.crt`
 /// and `tls.key`.
@@ -144,6 +144,139 @@ fn adapt_to_olm(install: &mut Install) -> Result<(), String> {
     for object in std::iter::once(&mut install.deployment).chain(&mut install.services) {
         if let Some(metadata) = object["metadata"].as_object_mut() {
             metadata.remove("namespace");
+        }
+    }
+    Ok(())
+}
+
+/// The name of the Deployment (and so of OLM's webhook Service, `<name>-service`) of
+/// the MyApp API package: not the operator's, which may share its namespace.
+pub const API_DEPLOYMENT: &str = "flotilla-myapp-webhook";
+/// The environment variable `flotilla-agent operator --namespace` reads.
+pub const NAMESPACES_ENV: &str = "FLOTILLA_OPERATOR_NAMESPACES";
+/// The pod annotation OLM writes the OperatorGroup's target namespaces into
+/// (comma-separated; empty for AllNamespaces).
+pub const TARGETS_ANNOTATION: &str = "olm.targetNamespaces";
+
+/// Resources a rule may name that are not namespaced: what stays in
+/// `clusterPermissions` when the operator is scoped.
+const CLUSTER_SCOPED: [&str; 5] = [
+    "namespaces",
+    "nodes",
+    "clusterproperties",
+    "customresourcedefinitions",
+    "persistentvolumes",
+];
+
+/// Keeps what `part` runs of an install made by [`sort`].
+pub fn take(install: &mut Install, part: Part) -> Result<(), String> {
+    match part {
+        Part::Whole => Ok(()),
+        Part::Api => api_only(install),
+        Part::Operator => operator_only(install),
+    }
+}
+
+fn first_container(deployment: &mut Value) -> Result<&mut Value, String> {
+    deployment["spec"]["template"]["spec"]["containers"]
+        .get_mut(0)
+        .ok_or_else(|| "the Deployment has no container".to_string())
+}
+
+/// The CRD and its conversion webhook: a Deployment of its own running `flotilla-agent
+/// webhook` on OLM's certificate, with no rights (the default service account) and no
+/// Service but the one OLM makes for the webhook.
+fn api_only(install: &mut Install) -> Result<(), String> {
+    let deployment = &mut install.deployment;
+    deployment["metadata"]["name"] = json!(API_DEPLOYMENT);
+    for path in [
+        "/metadata/labels",
+        "/spec/selector/matchLabels",
+        "/spec/template/metadata/labels",
+    ] {
+        let labels = deployment
+            .pointer_mut(path)
+            .ok_or_else(|| format!("the Deployment has no {path}"))?;
+        labels["app.kubernetes.io/name"] = json!(API_DEPLOYMENT);
+    }
+    if let Some(pod) = deployment["spec"]["template"]["spec"].as_object_mut() {
+        pod.remove("serviceAccountName");
+    }
+    let container = first_container(deployment)?;
+    container["args"] = json!([
+        "webhook",
+        "--http-addr=0.0.0.0:8080",
+        format!("--webhook-addr=0.0.0.0:{}", install.webhook_target_port),
+        format!("--webhook-cert={OLM_CERT_DIR}/tls.crt"),
+        format!("--webhook-key={OLM_CERT_DIR}/tls.key"),
+    ]);
+    if let Some(container) = container.as_object_mut() {
+        container.remove("env");
+    }
+    if let Some(ports) = container["ports"].as_array_mut() {
+        ports.retain(|p| p["name"] == "metrics" || p["name"] == "webhook");
+    }
+    install.cluster_rules.clear();
+    install.namespace_rules.clear();
+    install.services.clear();
+    Ok(())
+}
+
+/// The operator without the CRD and its webhook: it watches the namespaces in the pod's
+/// annotation `olm.targetNamespaces` (through the downward API), and its rules on
+/// namespaced resources become `permissions`, which OLM grants in each target namespace
+/// (cluster-wide for AllNamespaces). `flotilla-agent operator` still serves a
+/// conversion webhook (self-signed, nobody calls it): on loopback only.
+fn operator_only(install: &mut Install) -> Result<(), String> {
+    let mut cluster = Vec::new();
+    let mut namespaced = Vec::new();
+    for rule in std::mem::take(&mut install.cluster_rules) {
+        let resources: Vec<&str> = rule["resources"]
+            .as_array()
+            .ok_or("a rule without resources")?
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        let (global, local): (Vec<&str>, Vec<&str>) = resources
+            .iter()
+            .partition(|r| CLUSTER_SCOPED.contains(&r.split('/').next().unwrap_or(r)));
+        for (part, into) in [(global, &mut cluster), (local, &mut namespaced)] {
+            if !part.is_empty() {
+                let mut rule = rule.clone();
+                rule["resources"] = json!(part);
+                into.push(rule);
+            }
+        }
+    }
+    namespaced.append(&mut install.namespace_rules);
+    install.cluster_rules = cluster;
+    install.namespace_rules = namespaced;
+    let webhook_port = install.webhook_target_port;
+    let container = first_container(&mut install.deployment)?;
+    let args = container["args"]
+        .as_array_mut()
+        .ok_or("the Deployment's first container has no args")?;
+    args.retain(|a| {
+        !a.as_str().is_some_and(|a| {
+            a.starts_with("--webhook-cert=")
+                || a.starts_with("--webhook-key=")
+                || a.starts_with("--webhook-addr=")
+        })
+    });
+    args.push(json!(format!("--webhook-addr=127.0.0.1:{webhook_port}")));
+    container["env"]
+        .as_array_mut()
+        .ok_or("the Deployment's first container has no env")?
+        .push(json!({
+            "name": NAMESPACES_ENV,
+            "valueFrom": {"fieldRef": {"fieldPath": format!("metadata.annotations['{TARGETS_ANNOTATION}']")}},
+        }));
+    if let Some(ports) = container["ports"].as_array_mut() {
+        ports.retain(|p| p["name"] != "webhook");
+    }
+    for service in &mut install.services {
+        if let Some(ports) = service["spec"]["ports"].as_array_mut() {
+            ports.retain(|p| p["name"] != "webhook");
         }
     }
     Ok(())

@@ -31,10 +31,26 @@ pub const CHANNEL: &str = "stable";
 /// version from source.
 pub const OPM_IMAGE: &str = "quay.io/operator-framework/opm:v1.73.0";
 
+/// What a package runs of the install it is generated from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    /// All of it: the agent owns the MyApp CRD and serves its conversion webhook beside
+    /// its work. `AllNamespaces` only (a conversion webhook serves the whole cluster).
+    Whole,
+    /// The MyApp CRD and its conversion webhook alone (`flotilla-agent webhook`), no
+    /// rights at all. `AllNamespaces` only.
+    Api,
+    /// The operator alone: requires the MyApp API (OLM installs the [`Part::Api`]
+    /// package with it), installs in every mode and watches the OperatorGroup's target
+    /// namespaces, its rights on them namespaced.
+    Operator,
+}
+
 /// One OLM package: an install under `deploy/`.
 #[derive(Debug)]
 pub struct Package {
     pub name: &'static str,
+    pub part: Part,
     /// The kustomization it is generated from, relative to the repository.
     pub kustomization: &'static str,
     pub display_name: &'static str,
@@ -46,22 +62,39 @@ pub struct Package {
     pub setup: &'static str,
 }
 
-pub const PACKAGES: [Package; 2] = [
+pub const PACKAGES: [Package; 3] = [
+    Package {
+        name: "flotilla-myapp-api",
+        part: Part::Api,
+        kustomization: "deploy/base",
+        display_name: "Flotilla MyApp API",
+        summary: "The MyApp CRD and its conversion webhook (flotilla-agent webhook), for the MyApp operator to require.",
+        description: "The MyApp API of one cluster: the CRD `myapps.app.example.com` and its \
+conversion webhook between MyApp `v1alpha1`, `v1beta1` and the stored `v1` \
+(`flotilla-agent webhook`, with the certificate OLM issues). It reconciles nothing and \
+needs no rights. The Flotilla MyApp operator requires this API, so OLM installs this \
+package with it. A conversion webhook serves the whole cluster: `AllNamespaces` only.",
+        setup: "",
+    },
     Package {
         name: "flotilla-myapp-operator",
+        part: Part::Operator,
         kustomization: "deploy/base",
         display_name: "Flotilla MyApp operator",
-        summary: "The MyApp operator and its conversion webhook, for one cluster without a hub (flotilla-agent operator).",
+        summary: "The MyApp operator for one cluster without a hub (flotilla-agent operator), in the OperatorGroup's target namespaces.",
         description: "Runs MyApps in one cluster without a Flotilla hub (`flotilla-agent operator`). \
 Each MyApp becomes a ConfigMap and a Deployment, rolled on every change of either; its \
 status says `ready`, `readyReplicas` and the conditions `Available`, `Progressing` and \
 `Degraded`. A MyApp without an image gets no Deployment and `Degraded=True/ImageMissing`. \
-The agent serves the conversion webhook between MyApp `v1alpha1`, `v1beta1` and the \
-stored `v1`.",
+It watches the OperatorGroup's target namespaces only (every install mode is supported) \
+and holds its rights on MyApps, ConfigMaps, Deployments and Events there alone. It \
+requires the MyApp API (`myapps.app.example.com` `v1`): OLM installs the package \
+`flotilla-myapp-api` (the CRD and its conversion webhook) with it.",
         setup: "",
     },
     Package {
         name: "flotilla-agent",
+        part: Part::Whole,
         kustomization: "deploy/overlays/member",
         display_name: "Flotilla agent",
         summary: "The agent of one member cluster of a Flotilla federation (flotilla-agent run): MyApps from the hub, their status back, the MyApp operator beside.",
@@ -69,7 +102,7 @@ stored `v1`.",
 (`flotilla-agent run`). It dials the hub over one authenticated gRPC stream, applies the \
 MyApps the hub places on this cluster, reports their status back, and runs the MyApp \
 operator and its conversion webhook beside. Install it in at most one namespace per \
-cluster, and not beside the Flotilla MyApp operator (both own the MyApp CRD).",
+cluster, and not beside the Flotilla MyApp API (both own the MyApp CRD).",
         setup: "
 On the hub, `flotilla-hub join NAME --token-file NAME.token` registers the cluster and \
 issues its token. Then, in this cluster:
@@ -155,11 +188,13 @@ pub fn generate(repo: &Path, registry: &str) -> Result<Tree, Error> {
     let mut tree = Tree::new();
     for package in &PACKAGES {
         let from = repo.join(package.kustomization);
-        let install = install::sort(
+        let mut install = install::sort(
             kustomize::build(&from)?,
             Path::new(package.kustomization),
             min_kube_version.clone(),
         )?;
+        install::take(&mut install, package.part)
+            .map_err(|e| Error::at(Path::new(package.kustomization), e))?;
         let root = Path::new("bundles").join(package.name);
         tree.insert(
             root.join("bundle.Dockerfile"),
@@ -177,10 +212,12 @@ pub fn generate(repo: &Path, registry: &str) -> Result<Tree, Error> {
             let manifests = dir.join("manifests");
             let file = format!("{}.clusterserviceversion.yaml", package.name);
             tree.insert(manifests.join(file), yaml(&[&csv]));
-            tree.insert(
-                manifests.join(crd_file(&install.crd)),
-                yaml(&[&install.crd]),
-            );
+            if package.part != Part::Operator {
+                tree.insert(
+                    manifests.join(crd_file(&install.crd)),
+                    yaml(&[&install.crd]),
+                );
+            }
             for service in &install.services {
                 tree.insert(manifests.join(object_file(service)), yaml(&[service]));
             }

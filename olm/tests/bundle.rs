@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use flotilla_olm::{PACKAGES, REGISTRY, VERSIONS, descriptors, kustomize};
+use flotilla_olm::{PACKAGES, Part, REGISTRY, VERSIONS, descriptors, kustomize};
 use serde_json::{Value, json};
 
 fn repo() -> PathBuf {
@@ -27,8 +27,11 @@ fn myapp_crd() -> Value {
 }
 
 #[test]
-fn every_bundle_carries_deploy_bases_crd() {
+fn every_bundle_that_owns_the_api_carries_deploy_bases_crd() {
     for package in &PACKAGES {
+        if package.part == Part::Operator {
+            continue;
+        }
         for version in VERSIONS {
             let path = format!(
                 "deploy/olm/bundles/{}/{version}/manifests/app.example.com_myapps.yaml",
@@ -39,8 +42,15 @@ fn every_bundle_carries_deploy_bases_crd() {
     }
 }
 
+fn arg_value<'a>(args: &'a [Value], flag: &str) -> Option<&'a str> {
+    args.iter()
+        .find_map(|a| a.as_str()?.strip_prefix(flag)?.strip_prefix('='))
+}
+
+/// The operator is deploy/base's Deployment without the conversion webhook (loopback
+/// only, nobody calls it), watching the OperatorGroup's target namespaces.
 #[test]
-fn the_operators_deployment_is_deploy_bases_but_for_the_webhook_certificate_and_image() {
+fn the_operators_deployment_is_deploy_bases_without_the_webhook() {
     let base = yaml("deploy/base/deployment.yaml").remove(0);
     for version in VERSIONS {
         let csv = csv("flotilla-myapp-operator", version);
@@ -50,22 +60,134 @@ fn the_operators_deployment_is_deploy_bases_but_for_the_webhook_certificate_and_
         let container = &mut expected["template"]["spec"]["containers"][0];
         container["image"] = json!(format!("{REGISTRY}/flotilla-agent:{version}"));
         let args = container["args"].as_array_mut().unwrap();
-        // OLM's mounted certificate replaces the Service endpoint and the agent's own CA.
         args.retain(|a| {
-            a != "--webhook-service=flotilla-system/flotilla-agent"
-                && a != "--webhook-ca-secret=flotilla-system/flotilla-agent-webhook-ca"
+            let a = a.as_str().unwrap();
+            !a.starts_with("--webhook-service=")
+                && !a.starts_with("--webhook-ca-secret=")
+                && !a.starts_with("--webhook-addr=")
         });
-        args.push(json!(
-            "--webhook-cert=/tmp/k8s-webhook-server/serving-certs/tls.crt"
-        ));
-        args.push(json!(
-            "--webhook-key=/tmp/k8s-webhook-server/serving-certs/tls.key"
-        ));
+        args.push(json!("--webhook-addr=127.0.0.1:9443"));
+        container["env"].as_array_mut().unwrap().push(json!({
+            "name": "FLOTILLA_OPERATOR_NAMESPACES",
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['olm.targetNamespaces']"}},
+        }));
+        container["ports"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|p| p["name"] != "webhook");
         assert_eq!(
             deployment["spec"], expected,
             "flotilla-myapp-operator {version}"
         );
+        let spec = &csv["spec"];
+        assert!(spec.get("webhookdefinitions").is_none());
+        assert_eq!(
+            spec["customresourcedefinitions"],
+            json!({"required": [{
+                "name": "myapps.app.example.com", "version": "v1", "kind": "MyApp",
+                "displayName": "MyApp",
+                "description": spec["customresourcedefinitions"]["required"][0]["description"],
+            }]})
+        );
+        let modes = spec["installModes"].as_array().unwrap();
+        assert!(modes.iter().all(|m| m["supported"] == true), "{modes:?}");
     }
+}
+
+/// What OLM scopes (`permissions`) is every rule on a namespaced resource of
+/// deploy/base's ClusterRole and Roles; `clusterPermissions` keeps the others only.
+#[test]
+fn the_operators_rights_on_namespaced_resources_are_scoped() {
+    let csv = csv("flotilla-myapp-operator", VERSIONS[0]);
+    let strategy = &csv["spec"]["install"]["spec"];
+    let resources = |permissions: &Value| -> Vec<String> {
+        permissions[0]["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| r["resources"].as_array().unwrap().clone())
+            .map(|r| r.as_str().unwrap().to_string())
+            .collect()
+    };
+    let cluster = resources(&strategy["clusterPermissions"]);
+    assert_eq!(cluster, ["namespaces", "clusterproperties", "nodes"]);
+    let namespaced = resources(&strategy["permissions"]);
+    for r in [
+        "myapps",
+        "myapps/status",
+        "configmaps",
+        "deployments",
+        "events",
+        "pods",
+        "leases",
+    ] {
+        assert!(namespaced.iter().any(|n| n == r), "{r} in {namespaced:?}");
+    }
+    assert_eq!(
+        strategy["permissions"][0]["serviceAccountName"],
+        "flotilla-agent"
+    );
+}
+
+/// The API package: deploy/base's CRD and a Deployment of its own serving the webhook
+/// alone on OLM's certificate, with no rights; `AllNamespaces` only, as OLM requires
+/// of a CSV with a conversion webhook.
+#[test]
+fn the_api_package_serves_the_webhook_alone() {
+    for version in VERSIONS {
+        let csv = csv("flotilla-myapp-api", version);
+        let spec = &csv["spec"];
+        let deployment = &spec["install"]["spec"]["deployments"][0];
+        assert_eq!(deployment["name"], "flotilla-myapp-webhook");
+        let pod = &deployment["spec"]["template"]["spec"];
+        assert!(pod.get("serviceAccountName").is_none());
+        let args = pod["containers"][0]["args"].as_array().unwrap();
+        assert_eq!(args[0], "webhook");
+        assert_eq!(
+            arg_value(args, "--webhook-cert"),
+            Some("/tmp/k8s-webhook-server/serving-certs/tls.crt")
+        );
+        assert!(spec["install"]["spec"].get("permissions").is_none());
+        assert!(spec["install"]["spec"].get("clusterPermissions").is_none());
+        let webhook = &spec["webhookdefinitions"][0];
+        assert_eq!(webhook["type"], "ConversionWebhook");
+        assert_eq!(webhook["deploymentName"], "flotilla-myapp-webhook");
+        assert_eq!(
+            spec["customresourcedefinitions"]["owned"][0]["name"],
+            "myapps.app.example.com"
+        );
+        let supported: Vec<&Value> = spec["installModes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["supported"] == true)
+            .map(|m| &m["type"])
+            .collect();
+        assert_eq!(supported, [&json!("AllNamespaces")]);
+    }
+}
+
+/// The catalog says what OLM resolves: the operator requires MyApp v1, the API
+/// package provides it.
+#[test]
+fn the_operator_requires_what_the_api_package_provides() {
+    let properties = |package: &str| -> Vec<Value> {
+        let path = format!("deploy/olm/catalog/{package}/catalog.yaml");
+        yaml(&path)[2]["properties"].as_array().unwrap().clone()
+    };
+    let myapp_v1 = json!({"group": "app.example.com", "kind": "MyApp", "version": "v1"});
+    assert!(
+        properties("flotilla-myapp-operator")
+            .contains(&json!({"type": "olm.gvk.required", "value": myapp_v1}))
+    );
+    assert!(
+        properties("flotilla-myapp-api").contains(&json!({"type": "olm.gvk", "value": myapp_v1}))
+    );
+    assert!(
+        !properties("flotilla-myapp-operator")
+            .iter()
+            .any(|p| p["type"] == "olm.gvk")
+    );
 }
 
 #[test]
