@@ -26,7 +26,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tonic::transport::Server;
 use tonic::transport::server::{Connected, TcpConnectInfo};
-use tracing::debug;
+use tracing::{debug, warn};
 
 /// A ping after this long without traffic; a connection that does not answer within
 /// the same time is dropped, so a vanished agent frees its cluster's session.
@@ -71,6 +71,27 @@ impl Default for EdgeLimits {
         }
     }
 }
+
+/// Raises the soft limit on open files to the hard one, as every Go program does: each
+/// agent holds a connection, and a container runtime may start the hub at a soft limit
+/// of 1024. Returns the limit now, and warns when it cannot hold
+/// `max_agent_connections` and the hub's own files beside.
+pub fn raise_open_files_limit(limits: &EdgeLimits) -> io::Result<u64> {
+    let raised = rlimit::increase_nofile_limit(u64::MAX)?;
+    let wanted = limits.max_agent_connections as u64 + OWN_FILES;
+    if raised < wanted {
+        warn!(
+            open_files = raised,
+            wanted,
+            "the open-files limit is below --max-agent-connections plus {OWN_FILES}: agents past it are refused at accept; raise the container's or the unit's LimitNOFILE"
+        );
+    }
+    Ok(raised)
+}
+
+/// Files the hub holds besides agents' connections: its apiserver connections, the
+/// metrics port, logs, with room to spare.
+const OWN_FILES: u64 = 1024;
 
 /// Binds the gRPC port with a backlog of [`ACCEPT_BACKLOG`].
 pub fn listen(addr: SocketAddr) -> io::Result<TcpListener> {
@@ -329,6 +350,37 @@ impl RefusalMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rlimit::Resource;
+
+    /// A hub started at a soft limit of 256 runs at its hard limit (in a child process:
+    /// lowering this one's would starve the tests beside it).
+    #[test]
+    fn the_open_files_limit_is_raised_to_the_hard_limit() {
+        const CHILD: &str = "FLOTILLA_TEST_NOFILE_CHILD";
+        let (_, hard) = Resource::NOFILE.get().unwrap();
+        if std::env::var_os(CHILD).is_some() {
+            Resource::NOFILE.set(256, hard).unwrap();
+            let raised = raise_open_files_limit(&EdgeLimits::default()).unwrap();
+            assert_eq!(
+                (raised, Resource::NOFILE.get().unwrap()),
+                (hard, (hard, hard))
+            );
+            return;
+        }
+        let name = "edge::tests::the_open_files_limit_is_raised_to_the_hard_limit";
+        let child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&child.stdout);
+        assert!(
+            child.status.success(),
+            "{out}{}",
+            String::from_utf8_lossy(&child.stderr)
+        );
+        assert!(out.contains("1 passed"), "the child ran the test: {out}");
+    }
 
     /// A fleet that dials while the hub is busy waits in the kernel's accept queue
     /// instead of losing its SYNs: with tokio's default backlog (1024) a fan-out to
