@@ -275,7 +275,9 @@ fn placed(
     let warnings = unplaced_overrides(&targets, members, &decision.clusters);
     let template = Template::of(app);
     let mut classes = Classes::default();
-    let mut clusters = BTreeMap::new();
+    // Gathered, then built at once: a B-tree filled by one insert after another keeps
+    // its nodes about half full, and a big hub holds one entry per (cluster, app).
+    let mut clusters = Vec::new();
     for cluster in &decision.clusters {
         let Some(assigned) = schedule.clusters.get_mut(cluster) else {
             continue;
@@ -284,7 +286,7 @@ fn placed(
             Placing::Render => {}
             Placing::Skip => continue,
             Placing::Keep(reason) => {
-                clusters.insert(cluster.clone(), ClusterPlan::Keep(reason));
+                clusters.push((cluster.clone(), ClusterPlan::Keep(reason)));
                 continue;
             }
         }
@@ -303,10 +305,10 @@ fn placed(
             }
             Err(e) => ClusterPlan::Keep(KeepReason::RenderFailed(Box::new(e))),
         };
-        clusters.insert(cluster.clone(), planned);
+        clusters.push((cluster.clone(), planned));
     }
     for cluster in decision.unknown {
-        clusters.insert(cluster, ClusterPlan::Unknown);
+        clusters.push((cluster, ClusterPlan::Unknown));
     }
     let namespace = app.metadata.namespace.as_deref().unwrap_or("default");
     let named = app.spec.placement.clusters.is_some();
@@ -315,13 +317,14 @@ fn placed(
             namespace: namespace.to_owned(),
             named,
         };
-        clusters.insert(cluster, ClusterPlan::Keep(reason));
+        clusters.push((cluster, ClusterPlan::Keep(reason)));
     }
     AppPlan {
         generation,
         placement_error: None,
         schedule: Some(schedule),
-        clusters,
+        // Placed, unknown and not granted are disjoint sets of names (`Decision`).
+        clusters: BTreeMap::from_iter(clusters),
         warnings,
         rollout: None,
     }
