@@ -46,7 +46,7 @@ use crate::handback;
 use crate::operator;
 use crate::scaler;
 use crate::session::{self, SessionConfig};
-use crate::webhook::run_webhook;
+use crate::webhook::{WebhookConfig, run_webhook};
 
 /// How long the tasks get to stop after SIGTERM before they are aborted: less than the
 /// Pod's `terminationGracePeriodSeconds` (15 s) minus margin, so that SIGTERM ends the
@@ -76,27 +76,14 @@ pub async fn serve(
     let metrics = Arc::new(metrics);
     let readiness = Readiness::default();
     let operator_ready = readiness.gate("operator");
-    let webhook_ready = readiness.gate("webhook");
     let mut tasks = Supervisor::new(shutdown.clone(), SHUTDOWN_GRACE);
-
-    let addr = args.http_addr;
-    let endpoints = http::serve(
-        addr,
-        http::router(metrics.clone(), readiness),
-        shutdown.clone(),
-    );
-    tasks.spawn("http", async move {
-        (endpoints.await).with_context(|| format!("serving /healthz, /readyz, /metrics on {addr}"))
-    });
-    let webhook = run_webhook(
-        client.clone(),
-        args.webhook.webhook_config(),
-        webhook_ready,
-        shutdown.clone(),
-    );
-    tasks.spawn("webhook", async move {
-        webhook.await.context("conversion webhook")
-    });
+    let endpoints = Endpoints {
+        http_addr: args.http_addr,
+        metrics: metrics.clone(),
+        readiness,
+        webhook: args.webhook.webhook_config(),
+    };
+    endpoints.spawn(&mut tasks, client.clone(), &shutdown);
     let config = args.operator_config();
     // The namespaces the agent applies into: the only ones the scaler reads and the
     // bounds are written in.
@@ -159,31 +146,44 @@ pub async fn serve_webhook(kube: &KubeArgs, args: WebhookServeArgs) -> anyhow::R
     let shutdown = shutdown::on_signal().context("installing the SIGTERM handler")?;
     let kube_config = kube.config().await.context("connecting to Kubernetes")?;
     let client = kube::Client::try_from(kube_config).context("connecting to Kubernetes")?;
-    let readiness = Readiness::default();
-    let webhook_ready = readiness.gate("webhook");
     let mut tasks = Supervisor::new(shutdown.clone(), SHUTDOWN_GRACE);
-    let addr = args.http_addr;
-    let endpoints = http::serve(
-        addr,
-        http::router(Arc::new(Metrics::default()), readiness),
-        shutdown.clone(),
-    );
-    tasks.spawn("http", async move {
-        (endpoints.await).with_context(|| format!("serving /healthz, /readyz, /metrics on {addr}"))
-    });
-    let webhook = run_webhook(
-        client,
-        args.webhook.webhook_config(),
-        webhook_ready,
-        shutdown.clone(),
-    );
-    tasks.spawn("webhook", async move {
-        webhook.await.context("conversion webhook")
-    });
-    info!(http = %addr, webhook = %args.webhook.webhook_addr, "flotilla-agent webhook starting");
+    let endpoints = Endpoints {
+        http_addr: args.http_addr,
+        metrics: Default::default(),
+        readiness: Readiness::default(),
+        webhook: args.webhook.webhook_config(),
+    };
+    endpoints.spawn(&mut tasks, client, &shutdown);
+    info!(http = %args.http_addr, webhook = %args.webhook.webhook_addr, "flotilla-agent webhook starting");
     tasks.run().await?;
     info!("flotilla-agent webhook stopped");
     Ok(())
+}
+
+/// What every agent process serves, leading or not: /healthz, /readyz and /metrics, and
+/// the MyApp conversion webhook (ready once its certificate is loaded).
+struct Endpoints {
+    http_addr: std::net::SocketAddr,
+    metrics: Arc<Metrics>,
+    readiness: Readiness,
+    webhook: WebhookConfig,
+}
+
+impl Endpoints {
+    fn spawn(self, tasks: &mut Supervisor, client: kube::Client, shutdown: &CancellationToken) {
+        let webhook_ready = self.readiness.gate("webhook");
+        let addr = self.http_addr;
+        let router = http::router(self.metrics, self.readiness);
+        let endpoints = http::serve(addr, router, shutdown.clone());
+        tasks.spawn("http", async move {
+            (endpoints.await)
+                .with_context(|| format!("serving /healthz, /readyz, /metrics on {addr}"))
+        });
+        let webhook = run_webhook(client, self.webhook, webhook_ready, shutdown.clone());
+        tasks.spawn("webhook", async move {
+            webhook.await.context("conversion webhook")
+        });
+    }
 }
 
 /// The outcome of `leader::elect`.

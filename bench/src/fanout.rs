@@ -205,6 +205,8 @@ impl Role {
 /// stdin closes.
 pub async fn serve(role: Role, size: Size) -> Result<()> {
     size.check()?;
+    // As `flotilla-hub run` does, for either role: each agent holds a file.
+    flotilla_hub::edge::raise_open_files_limit(&Default::default())?;
     let cert = std::env::var(CERT_VAR).with_context(|| format!("{CERT_VAR} is not set"))?;
     let key = std::env::var(KEY_VAR).with_context(|| format!("{KEY_VAR} is not set"))?;
     let identity = Identity::from_pem(&cert, &key);

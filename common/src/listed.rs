@@ -278,23 +278,24 @@ mod tests {
             driver.await.unwrap();
         }
 
-        let (_, writer) = reflector::store::<ConfigMap>();
-        let (feed, events) = futures::channel::mpsc::unbounded();
-        let (events, never) = track(reflector(writer, events));
-        feed.unbounded_send(Ok(watcher::Event::Init)).unwrap();
-        drop(feed);
-        events.for_each(|_| async {}).await;
+        let never = ended_before_listing().await;
         assert!(all(&[listed[0].clone(), never]).await.is_err());
     }
 
-    #[tokio::test]
-    async fn a_watch_that_ends_before_listing_says_so() {
+    /// A watch that began its initial list and ended before it finished.
+    async fn ended_before_listing() -> Listed {
         let (_, writer) = reflector::store::<ConfigMap>();
         let (feed, events) = futures::channel::mpsc::unbounded();
         let (events, listed) = track(reflector(writer, events));
         feed.unbounded_send(Ok(watcher::Event::Init)).unwrap();
         drop(feed);
         events.for_each(|_| async {}).await;
+        listed
+    }
+
+    #[tokio::test]
+    async fn a_watch_that_ends_before_listing_says_so() {
+        let listed = ended_before_listing().await;
         assert!(!listed.is_listed());
         assert!(listed.wait().await.is_err());
     }

@@ -26,7 +26,7 @@ use tokio::sync::{mpsc, watch};
 use crate::controller::{self, Context, Notices};
 use crate::detail;
 use crate::dispatch::Dispatcher;
-use crate::edge::{EdgeLimits, RefusalMetrics};
+use crate::edge::{self, EdgeLimits, RefusalMetrics};
 use crate::inventory::{self, InventoryArgs};
 use crate::membership::{self, Membership};
 use crate::planner::{self, Planner};
@@ -184,6 +184,9 @@ const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
 pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
     let shutdown = flotilla_common::shutdown::on_signal().context("installing signal handlers")?;
+    // Before any file is open: each agent holds one.
+    let open_files =
+        edge::raise_open_files_limit(&args.edge).context("raising the open-files limit")?;
     let config = kube
         .config()
         .await
@@ -407,7 +410,7 @@ pub async fn run(kube: &KubeArgs, args: RunArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("serving /healthz, /readyz, /metrics on {addr}"))
     });
-    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, "flotilla-hub starting");
+    tracing::info!(grpc = %args.grpc_addr, http = %args.http_addr, open_files, "flotilla-hub starting");
     tasks.run().await?;
     tracing::info!("flotilla-hub stopped");
     Ok(())

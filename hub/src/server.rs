@@ -81,11 +81,9 @@ pub async fn serve(
     service: FederationService,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    let open_files =
-        edge::raise_open_files_limit(&limits).context("raising the open-files limit")?;
     let listener =
         edge::listen(addr).with_context(|| format!("binding the gRPC address {addr}"))?;
-    info!(grpc = %addr, open_files, "serving agents");
+    info!(grpc = %addr, "serving agents");
     let dispatcher = service.dispatcher.clone();
     let refusals = service.refusals.clone();
     let mut leading = service.leading.clone();

@@ -325,13 +325,13 @@ impl StatusBoard {
                 *entry = fresh;
             }
             let seen = Seen {
-                hash: r.hash.to_string(),
+                hash: r.hash.clone(),
                 ready,
                 degraded: (r.degraded()).map(|(reason, m)| format!("{reason}: {m}")),
                 apply_error: r.apply_error().map(str::to_owned),
                 since: entry.2,
             };
-            (cluster.to_string(), seen)
+            (cluster.clone(), seen)
         });
         seen.collect()
     }

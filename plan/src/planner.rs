@@ -619,7 +619,7 @@ mod tests {
             unreachable!()
         };
         let seen = Seen {
-            hash: r.hash.clone(),
+            hash: r.hash.as_str().into(),
             ready: true,
             degraded: None,
             apply_error: None,

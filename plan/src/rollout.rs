@@ -28,6 +28,7 @@
 //! it: a hub restart starts a soak (and a deadline) again.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flotilla_crds::FederatedMyApp;
@@ -59,8 +60,8 @@ pub fn progressive(app: &FederatedMyApp) -> bool {
 /// What the hub saw of one cluster's copy of the app, from its agent's reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Seen {
-    /// The content hash of the MyApp the member runs.
-    pub hash: String,
+    /// The content hash of the MyApp the member runs (the status board's shared copy).
+    pub hash: Arc<str>,
     /// Ready, at its latest generation.
     pub ready: bool,
     /// Its `Degraded` condition, in words, when True.
@@ -72,7 +73,7 @@ pub struct Seen {
 }
 
 /// What the hub saw of an app, by cluster.
-pub type Observed = BTreeMap<String, Seen>;
+pub type Observed = BTreeMap<Arc<str>, Seen>;
 
 /// Where one placed cluster stands against the revision it should run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -260,7 +261,7 @@ pub fn gate(
     let placed: Vec<String> = targets.keys().cloned().collect();
     let waves = waves(rollout, &placed, members, &mut plan.warnings);
     let standing: BTreeMap<&String, Standing> = (targets.iter())
-        .map(|(c, t)| (c, standing(t, observed.get(c), &settings, now)))
+        .map(|(c, t)| (c, standing(t, observed.get(c.as_str()), &settings, now)))
         .collect();
     let away = |c: &str| members.get(c).is_none_or(|m| m.not_ready_for.is_some());
     let mut walk = walk(&waves, &standing, settings.paused, &away);
@@ -315,7 +316,9 @@ pub fn resize_held(
     (stable.spec.template, stable.spec.overrides) = (template, last.overrides.clone());
     let stable = plan_stable(&stable);
     for (cluster, planned) in plan.clusters.iter_mut().filter(|(_, p)| held(p)) {
-        let runs = observed.get(cluster).and_then(|s| revision_of(&s.hash));
+        let runs = observed
+            .get(cluster.as_str())
+            .and_then(|s| revision_of(&s.hash));
         let Some(ClusterPlan::Apply(render)) = stable.clusters.get(cluster) else {
             continue;
         };

@@ -398,36 +398,42 @@ fn tally(inputs: &Inputs<'_>, message_max: usize) -> Tally {
 
 /// A cluster that should run the MyApp with `hash`, as its agent's report shows it.
 fn standing(hash: &str, reachable: bool, report: Option<&Report>) -> Standing {
-    match report {
-        _ if !reachable => Standing::Behind(
+    if !reachable {
+        return Standing::Behind(
             Reason::AgentDisconnected,
             "the cluster's agent has not heartbeated within the grace period (MemberCluster NotReady); its last applied MyApp keeps running".to_owned(),
-        ),
-        Some(r) if r.apply_error().is_some() => Standing::Behind(
-            Reason::ApplyFailed,
-            format!(
-                "applying the MyApp failed (the agent retries): {}",
-                r.apply_error().unwrap_or_default()
-            ),
-        ),
-        Some(r) if r.exists && r.drift().is_some() => Standing::Behind(
-            Reason::Drifted,
-            format!(
-                "its MyApp was changed in the member ({}); the hub applied it again",
-                r.drift().unwrap_or_default()
-            ),
-        ),
-        Some(r) if r.exists && *r.hash == *hash => {
-            if r.ready && r.observed_generation >= r.generation {
-                Standing::Ready
-            } else {
-                Standing::NotReady(r.not_ready_reason())
-            }
-        }
-        _ => Standing::Behind(
+        );
+    }
+    let pending = || {
+        Standing::Behind(
             Reason::Pending,
             "waiting for the agent to apply the latest version".to_owned(),
-        ),
+        )
+    };
+    let Some(r) = report else {
+        return pending();
+    };
+    if let Some(error) = r.apply_error() {
+        return Standing::Behind(
+            Reason::ApplyFailed,
+            format!("applying the MyApp failed (the agent retries): {error}"),
+        );
+    }
+    if r.exists
+        && let Some(drift) = r.drift()
+    {
+        return Standing::Behind(
+            Reason::Drifted,
+            format!("its MyApp was changed in the member ({drift}); the hub applied it again"),
+        );
+    }
+    if !r.exists || *r.hash != *hash {
+        return pending();
+    }
+    if r.ready && r.observed_generation >= r.generation {
+        Standing::Ready
+    } else {
+        Standing::NotReady(r.not_ready_reason())
     }
 }
 

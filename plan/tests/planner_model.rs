@@ -631,16 +631,16 @@ impl Model {
         // only; another plan of the others is harmless).
         for (key, hash) in applied {
             let seen = self.hub.observed.entry(key.clone()).or_default();
-            if seen.get(&name).is_none_or(|s| s.hash != hash) {
+            if seen.get(name.as_str()).is_none_or(|s| *s.hash != hash) {
                 let (ready, degraded, apply_error, since) = (true, None, None, self.now);
                 let s = Seen {
-                    hash,
+                    hash: hash.into(),
                     ready,
                     degraded,
                     apply_error,
                     since,
                 };
-                seen.insert(name.clone(), s);
+                seen.insert(name.as_str().into(), s);
                 self.trigger(Trigger::Observed(key));
             }
         }
