@@ -73,6 +73,122 @@ pub fn cdf_svg(title: &str, unit: &str, series: &[(&str, &[f64])]) -> Result<Str
     Ok(svg)
 }
 
+/// One run's figures per pair.
+#[derive(Debug, Clone, Copy)]
+pub struct PerPair {
+    pub pushes_per_s: f64,
+    /// Server CPU time, microseconds per pair.
+    pub cpu_us: f64,
+    /// Server peak RSS, KiB per pair.
+    pub peak_rss_kib: f64,
+}
+
+/// One size of a fan-out sweep: the hub's figures and the floor's.
+#[derive(Debug, Clone, Copy)]
+pub struct SweepPoint {
+    pub pairs: f64,
+    pub hub: PerPair,
+    pub floor: PerPair,
+}
+
+/// Three panels side by side, each against the number of pairs (log scale): pushes/s,
+/// CPU µs per pair, peak RSS KiB per pair; the hub's line beside the floor's.
+pub fn sweep_svg(title: &str, points: &[SweepPoint]) -> Result<String> {
+    ensure!(!points.is_empty(), "a sweep chart of no run");
+    for p in points {
+        let figures = [p.hub, p.floor].map(|f| [f.pushes_per_s, f.cpu_us, f.peak_rss_kib]);
+        ensure!(
+            p.pairs >= 1.0 && figures.as_flattened().iter().all(|x| x.is_finite()),
+            "{} pairs: figures not finite: {p:?}",
+            p.pairs
+        );
+    }
+    type Pick = fn(&PerPair) -> f64;
+    // The legend where the lines are not: rates rise with size, costs per pair fall.
+    let panels: [(&str, Pick, SeriesLabelPosition); 3] = [
+        (
+            "pushes per second",
+            |f| f.pushes_per_s,
+            SeriesLabelPosition::UpperLeft,
+        ),
+        (
+            "server CPU, µs per pair",
+            |f| f.cpu_us,
+            SeriesLabelPosition::UpperRight,
+        ),
+        (
+            "server peak RSS, KiB per pair",
+            |f| f.peak_rss_kib,
+            SeriesLabelPosition::UpperRight,
+        ),
+    ];
+    let (lo, hi) = points.iter().fold((f64::MAX, 0.0_f64), |(lo, hi), p| {
+        (lo.min(p.pairs), hi.max(p.pairs))
+    });
+    // A decade either side of a single size, so that one run still draws.
+    let (lo, hi) = if hi > lo {
+        (lo / 1.5, hi * 1.5)
+    } else {
+        (lo / 10.0, hi * 10.0)
+    };
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (1080, 380)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let root = root.titled(title, ("sans-serif", 18))?;
+        for (area, (what, pick, legend)) in root.split_evenly((1, 3)).iter().zip(panels) {
+            let top = points
+                .iter()
+                .map(|p| pick(&p.hub).max(pick(&p.floor)))
+                .fold(0.0_f64, f64::max)
+                .max(f64::MIN_POSITIVE)
+                * 1.1;
+            let mut chart = ChartBuilder::on(area)
+                .caption(what, ("sans-serif", 15))
+                .margin(10)
+                .x_label_area_size(34)
+                .y_label_area_size(56)
+                .build_cartesian_2d((lo..hi).log_scale(), 0.0..top)?;
+            chart
+                .configure_mesh()
+                .x_desc("pairs")
+                .x_label_formatter(&|x| short(*x))
+                .y_label_formatter(&|y| short(*y))
+                .draw()?;
+            for (name, colour) in [("hub", COLOURS[0]), ("floor", COLOURS[1])] {
+                let side = |p: &SweepPoint| if name == "hub" { p.hub } else { p.floor };
+                let line = points.iter().map(|p| (p.pairs, pick(&side(p))));
+                chart
+                    .draw_series(LineSeries::new(line, colour.stroke_width(2)).point_size(3))?
+                    .label(name)
+                    .legend(move |(x, y)| {
+                        PathElement::new([(x, y), (x + 18, y)], colour.stroke_width(2))
+                    });
+            }
+            chart
+                .configure_series_labels()
+                .position(legend)
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .draw()?;
+        }
+        root.present()?;
+    }
+    Ok(svg)
+}
+
+/// An axis label: 1500 → "1.5k", 1000000 → "1M", 0.25 → "0.25".
+fn short(x: f64) -> String {
+    let (scaled, suffix) = match x.abs() {
+        a if a >= 1e6 => (x / 1e6, "M"),
+        a if a >= 1e3 => (x / 1e3, "k"),
+        _ => (x, ""),
+    };
+    let digits = format!("{scaled:.2}");
+    let digits = digits.trim_end_matches('0').trim_end_matches('.');
+    format!("{digits}{suffix}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -110,5 +226,62 @@ mod tests {
             "the unit on the x axis"
         );
         assert!(cdf_svg("zero", "ms", &[("all zero", &[0.0; 3])]).is_ok());
+    }
+
+    #[test]
+    fn axis_labels_are_short() {
+        let cases = [
+            (1e6, "1M"),
+            (1500.0, "1.5k"),
+            (100000.0, "100k"),
+            (0.25, "0.25"),
+            (0.0, "0"),
+            (7.0, "7"),
+        ];
+        for (x, label) in cases {
+            assert_eq!(short(x), label, "{x}");
+        }
+    }
+
+    fn point(pairs: f64, hub: f64) -> SweepPoint {
+        let f = |x: f64| PerPair {
+            pushes_per_s: x,
+            cpu_us: x / 10.0,
+            peak_rss_kib: x / 100.0,
+        };
+        SweepPoint {
+            pairs,
+            hub: f(hub),
+            floor: f(2.0 * hub),
+        }
+    }
+
+    /// Three panels, each with the hub's and the floor's line (and legend mark), one
+    /// marker per size; a single size still draws; no run or a NaN is an error.
+    #[test]
+    fn a_sweep_draws_hub_and_floor_in_three_panels() {
+        let svg = sweep_svg("sweep", &[point(1e4, 50.0), point(1e6, 40.0)]).unwrap();
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        for colour in ["#1F77B4", "#7F7F7F"] {
+            let style = format!("stroke=\"{colour}\" stroke-width=\"2\"");
+            let lines = format!("<polyline fill=\"none\" opacity=\"1\" {style}");
+            let markers = format!("r=\"3\" opacity=\"1\" fill=\"none\" {style}");
+            let (lines, markers) = (svg.matches(&lines).count(), svg.matches(&markers).count());
+            assert_eq!(lines, 3 * 2, "{colour}: a line and a legend mark per panel");
+            assert_eq!(markers, 3 * 2, "{colour}: a marker per size and panel");
+        }
+        for text in [
+            "pushes per second",
+            "µs per pair",
+            "KiB per pair",
+            "\nhub\n",
+            "\nfloor\n",
+        ] {
+            assert!(svg.contains(text), "{text}");
+        }
+        assert!(sweep_svg("one", &[point(1e5, 3.0)]).is_ok());
+        assert!(sweep_svg("none", &[]).is_err());
+        let e = sweep_svg("nan", &[point(1e5, f64::NAN)]).unwrap_err();
+        assert!(e.to_string().contains("100000 pairs"), "{e}");
     }
 }

@@ -751,9 +751,95 @@ const HOW: &str = "TLS gRPC on loopback; hub and floor each in their own process
 
 /// `bench fanout`.
 pub async fn fanout(size: Size) -> Result<Report> {
+    Ok(measure(size).await?.report())
+}
+
+/// One size's fan-out: the floor's, then the hub's.
+pub struct Measured {
+    size: Size,
+    floor: Phase,
+    hub: Phase,
+    hub_setup_s: f64,
+    /// The hub's process right after its set-up.
+    setup: procstat::Sample,
+}
+
+/// `bench fanout --sweep-apps A,B,… --svg PATH`: one fan-out per number of apps (the
+/// clusters and the clusters per app as given), each table as it ends, then the figures
+/// per pair against the number of pairs, hub beside floor, as a table and a chart.
+pub async fn sweep(size: Size, apps: &[usize], svg: Option<&std::path::Path>) -> Result<Report> {
+    ensure!(!apps.is_empty(), "--sweep-apps names no size");
+    let mut runs = Vec::with_capacity(apps.len());
+    for &apps in apps {
+        let run = measure(Size { apps, ..size }).await?;
+        eprint!("{}", run.report().table());
+        runs.push(run);
+    }
+    runs.sort_by_key(|r| r.size.pairs());
+    let per_pair = |p: &Phase, pairs: f64| crate::chart::PerPair {
+        pushes_per_s: pairs / p.seconds.max(1e-9),
+        cpu_us: p.server_cpu_s * 1e6 / pairs,
+        peak_rss_kib: p.server_peak_rss_mib * 1024.0 / pairs,
+    };
+    let points: Vec<crate::chart::SweepPoint> = (runs.iter())
+        .map(|r| {
+            let pairs = r.size.pairs() as f64;
+            crate::chart::SweepPoint {
+                pairs,
+                hub: per_pair(&r.hub, pairs),
+                floor: per_pair(&r.floor, pairs),
+            }
+        })
+        .collect();
+    if let Some(path) = svg {
+        let title = format!(
+            "fan-out, {} clusters, {} clusters per app: hub and floor per pair",
+            size.clusters, size.per_app
+        );
+        let chart = crate::chart::sweep_svg(&title, &points)?;
+        std::fs::write(path, chart).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("bench fanout: the chart is in {}", path.display());
+    }
+    let rows = points.iter().flat_map(|p| {
+        [("floor", &p.floor), ("hub", &p.hub)].map(|(case, f)| {
+            vec![
+                format!("{}", p.pairs),
+                case.to_owned(),
+                cell(f.pushes_per_s, 0),
+                cell(f.cpu_us, 2),
+                cell(f.peak_rss_kib, 3),
+            ]
+        })
+    });
+    Ok(Report {
+        preamble: vec![
+            format!(
+                "fan-out sweep: {} clusters, {} clusters per app, apps {apps:?}",
+                size.clusters, size.per_app
+            ),
+            HOW.to_owned(),
+        ],
+        header: [
+            "pairs",
+            "case",
+            "pushes/s",
+            "server CPU µs/pair",
+            "server peak RSS KiB/pair",
+        ]
+        .map(String::from)
+        .to_vec(),
+        rows: rows.collect(),
+        notes: vec![],
+        json: json!({
+            "scenario": "fanout-sweep",
+            "runs": runs.iter().map(|r| r.report().json).collect::<Vec<_>>(),
+        }),
+    })
+}
+
+async fn measure(size: Size) -> Result<Measured> {
     size.check()?;
     let tls = tls()?;
-    let pairs = size.pairs() as f64;
 
     eprintln!("bench fanout: {}: floor", size.describe());
     let floor_server = Child::start(Role::Floor, &size, &tls).await?;
@@ -783,20 +869,38 @@ pub async fn fanout(size: Size) -> Result<Report> {
         hub.applies,
         size.pairs()
     );
+    Ok(Measured {
+        size,
+        floor,
+        hub,
+        hub_setup_s,
+        setup,
+    })
+}
 
-    let rate = |s: f64| pairs / s;
-    let row = |what: &str, p: &Phase| {
-        vec![
-            what.to_owned(),
-            cell(p.seconds, 2),
-            cell(rate(p.seconds), 0),
-            cell(p.seconds / floor.seconds, 2),
-            cell(p.server_peak_rss_mib, 0),
-            cell(p.server_cpu_s, 2),
-            cell(p.loadgen_cpu_s, 2),
-        ]
-    };
-    let report = Report {
+impl Measured {
+    fn report(&self) -> Report {
+        let Measured {
+            size,
+            ref floor,
+            ref hub,
+            hub_setup_s,
+            setup,
+        } = *self;
+        let pairs = size.pairs() as f64;
+        let rate = |s: f64| pairs / s;
+        let row = |what: &str, p: &Phase| {
+            vec![
+                what.to_owned(),
+                cell(p.seconds, 2),
+                cell(rate(p.seconds), 0),
+                cell(p.seconds / floor.seconds, 2),
+                cell(p.server_peak_rss_mib, 0),
+                cell(p.server_cpu_s, 2),
+                cell(p.loadgen_cpu_s, 2),
+            ]
+        };
+        Report {
         preamble: vec![
             format!("fan-out: {}", size.describe()),
             HOW.to_owned(),
@@ -814,8 +918,8 @@ pub async fn fanout(size: Size) -> Result<Report> {
         .map(String::from)
         .to_vec(),
         rows: vec![
-            row("floor: bare tonic stream, same messages", &floor),
-            row("hub: auth, index diff, queues, reports", &hub),
+            row("floor: bare tonic stream, same messages", floor),
+            row("hub: auth, index diff, queues, reports", hub),
         ],
         notes: vec![
             format!(
@@ -854,8 +958,8 @@ pub async fn fanout(size: Size) -> Result<Report> {
             "floor_cpu_s": round(floor.server_cpu_s, 2),
             "session_retries": hub.retries,
         }),
-    };
-    Ok(report)
+    }
+    }
 }
 
 /// `bench resync`: the agents sync once with nothing applied (the baseline), the hub

@@ -185,7 +185,17 @@ mod tests {
 #[derive(clap::Subcommand, Debug)]
 enum Scenario {
     /// One hub process against K load-generating agents over TLS, against a bare stream
-    Fanout(fanout::Size),
+    Fanout {
+        #[command(flatten)]
+        size: fanout::Size,
+        /// Run once per number of apps listed (instead of --apps), then print the
+        /// figures per pair against the number of pairs, hub beside floor
+        #[arg(long, value_delimiter = ',')]
+        sweep_apps: Vec<usize>,
+        /// With --sweep-apps: also chart them here, as SVG
+        #[arg(long, requires = "sweep_apps")]
+        svg: Option<std::path::PathBuf>,
+    },
     /// Propagation latency on the real environment (host + 2 members) against the watch
     /// floor; brings the environment up and down if none is running
     Latency {
@@ -255,7 +265,14 @@ where
 /// scenarios on the real environment).
 async fn run(scenario: Scenario, json: bool, dir: &Path) -> Result<()> {
     let report = match scenario {
-        Scenario::Fanout(size) => fanout::fanout(size).await?,
+        Scenario::Fanout {
+            size,
+            sweep_apps,
+            svg,
+        } => match sweep_apps.is_empty() {
+            true => fanout::fanout(size).await?,
+            false => fanout::sweep(size, &sweep_apps, svg.as_deref()).await?,
+        },
         Scenario::Resync(size) => fanout::resync(size).await?,
         Scenario::Latency { samples, svg } => {
             on_environment(dir, "latency", |env| async move {
