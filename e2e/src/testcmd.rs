@@ -41,8 +41,9 @@ impl Tally {
 /// Runs everything; returns whether all of it passed.
 /// With `real_nodes`, the environment has real nodes and the hub and agents run as Pods;
 /// the e2e step then runs the suites that hold in that mode (`propagation`, `realnodes`).
+/// With the kind provider it runs the suites that hold there ([`e2e_args`]).
 pub async fn run(dir: &Path, members: usize, provider: Provider, real_nodes: bool) -> Result<bool> {
-    let mut steps: Vec<(&str, bool)> = Vec::new();
+    let mut steps: Vec<(String, bool)> = Vec::new();
     let mut tally = Tally::default();
     let mut interrupted = false;
 
@@ -60,7 +61,7 @@ pub async fn run(dir: &Path, members: usize, provider: Provider, real_nodes: boo
     .await;
     interrupted |= unit.is_err();
     steps.push((
-        "unit tests: cargo test --no-fail-fast --workspace --exclude flotilla-e2e",
+        "unit tests: cargo test --no-fail-fast --workspace --exclude flotilla-e2e".to_string(),
         matches!(unit, Ok(true)),
     ));
 
@@ -87,50 +88,28 @@ pub async fn run(dir: &Path, members: usize, provider: Provider, real_nodes: boo
                 eprintln!("flotilla-e2e test: bringing the environment up failed: {e:#}");
             }
             env_ok = up.is_ok();
-            steps.push(("environment up", env_ok));
+            steps.push(("environment up".to_string(), env_ok));
         }
     }
     if !interrupted && env_ok {
-        // Real-node mode: the suites that do not start or kill local hub and agent processes.
-        let args: &[&str] = if real_nodes {
-            &[
-                "test",
-                "--no-fail-fast",
-                "-p",
-                "flotilla-e2e",
-                "--test",
-                "propagation",
-                "--test",
-                "realnodes",
-                "--",
-                "--show-output",
-                "--include-ignored",
-            ]
-        } else {
-            // --show-output: the suite's figures (one line per fault, the failover's
-            // lowest ready count, the wire's timings) reach the log of a green run too.
-            &[
-                "test",
-                "--no-fail-fast",
-                "-p",
-                "flotilla-e2e",
-                "--",
-                "--show-output",
-            ]
-        };
-        let e2e = cargo(args, dir, &mut tally).await;
+        let args = e2e_args(provider, real_nodes, members);
+        if provider == Provider::Kind && members < crate::THREE_MEMBERS.len() {
+            eprintln!(
+                "flotilla-e2e test: the scheduling suite needs three members; with {members} it is left out (`--members 3` runs it)"
+            );
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let e2e = cargo(&args, dir, &mut tally).await;
         interrupted |= e2e.is_err();
-        steps.push((
-            "e2e suite: cargo test --no-fail-fast -p flotilla-e2e -- --show-output",
-            matches!(e2e, Ok(true)),
-        ));
+        let what = format!("e2e suite: cargo {}", args.join(" "));
+        steps.push((what, matches!(e2e, Ok(true))));
     }
     if brought_up {
         let down = flotilla_lab::down(dir).await;
         if let Err(e) = &down {
             eprintln!("flotilla-e2e test: tearing the environment down failed: {e:#}");
         }
-        steps.push(("environment down", down.is_ok()));
+        steps.push(("environment down".to_string(), down.is_ok()));
     }
 
     println!("flotilla-e2e test: summary");
@@ -143,6 +122,39 @@ pub async fn run(dir: &Path, members: usize, provider: Provider, real_nodes: boo
     // The plain closing line: every test that ran, unit and e2e.
     println!("tests: {} passed, {} failed", tally.passed, tally.failed);
     Ok(!interrupted && steps.iter().all(|(_, ok)| *ok))
+}
+
+/// The suites that run in each mode (and `--show-output`: the suite's figures, one line
+/// per fault, the failover's lowest ready count, the wire's timings, reach the log of a
+/// green run too).
+/// - Local provider: all of them.
+/// - Real-node mode: those that neither start nor kill local hub and agent processes
+///   (`propagation`, `realnodes`).
+/// - kind: those that do not stop or restart the local provider's control-plane
+///   processes (kwokctl's, by PID) nor expect its layout: `propagation`, `operator`,
+///   `install`, and `scheduling` when there are three members (its suite needs them).
+pub fn e2e_args(provider: Provider, real_nodes: bool, members: usize) -> Vec<String> {
+    let mut args: Vec<&str> = vec!["test", "--no-fail-fast", "-p", "flotilla-e2e"];
+    if real_nodes {
+        args.extend(["--test", "propagation", "--test", "realnodes"]);
+    } else if provider == Provider::Kind {
+        args.extend([
+            "--test",
+            "propagation",
+            "--test",
+            "operator",
+            "--test",
+            "install",
+        ]);
+        if members >= crate::THREE_MEMBERS.len() {
+            args.extend(["--test", "scheduling"]);
+        }
+    }
+    args.extend(["--", "--show-output"]);
+    if real_nodes {
+        args.push("--include-ignored");
+    }
+    args.into_iter().map(String::from).collect()
 }
 
 /// How long one `cargo test` may run (`FLOTILLA_TEST_TIMEOUT_SECS`, default 45 minutes):
@@ -259,6 +271,61 @@ mod tests {
                 passed: 9,
                 failed: 2
             }
+        );
+    }
+
+    #[test]
+    fn each_mode_runs_its_suites() {
+        let all = [
+            "test",
+            "--no-fail-fast",
+            "-p",
+            "flotilla-e2e",
+            "--",
+            "--show-output",
+        ];
+        assert_eq!(e2e_args(Provider::Local, false, 3), all);
+        assert_eq!(e2e_args(Provider::Local, false, 2), all);
+        assert_eq!(
+            e2e_args(Provider::Local, true, 2),
+            [
+                "test",
+                "--no-fail-fast",
+                "-p",
+                "flotilla-e2e",
+                "--test",
+                "propagation",
+                "--test",
+                "realnodes",
+                "--",
+                "--show-output",
+                "--include-ignored"
+            ]
+        );
+        let kind = [
+            "test",
+            "--no-fail-fast",
+            "-p",
+            "flotilla-e2e",
+            "--test",
+            "propagation",
+            "--test",
+            "operator",
+            "--test",
+            "install",
+        ];
+        let with = |extra: &[&str]| {
+            let mut v: Vec<String> = kind.iter().map(|s| s.to_string()).collect();
+            v.extend(extra.iter().map(|s| s.to_string()));
+            v
+        };
+        assert_eq!(
+            e2e_args(Provider::Kind, false, 3),
+            with(&["--test", "scheduling", "--", "--show-output"])
+        );
+        assert_eq!(
+            e2e_args(Provider::Kind, false, 2),
+            with(&["--", "--show-output"])
         );
     }
 }

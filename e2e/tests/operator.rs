@@ -87,7 +87,9 @@ impl Fixture {
     /// Starts `flotilla-agent operator` for this namespace with `kubeconfig`, its CRD
     /// pointed at its own conversion webhook, and waits until it is ready.
     async fn launch(&mut self, kubeconfig: &Path) {
-        let (http_addr, webhook_addr) = (free_addr().unwrap(), free_addr().unwrap());
+        let http_addr = free_addr().unwrap();
+        // Where the apiserver reaches the webhook (for kind, not loopback).
+        let webhook_addr = flotilla_lab::provider::host_addr_for_apiservers(&self.env).unwrap();
         let mut cmd = Command::new(agent_binary());
         cmd.env("KUBECONFIG", kubeconfig)
             .args(["operator", "--namespace", &self.namespace])

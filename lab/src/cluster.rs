@@ -1,8 +1,7 @@
 //! What every cluster gets once its apiserver answers, whichever provider made it:
-//! the Flotilla CRDs and, on the local provider, a few fake (KWOK) nodes.
+//! the Flotilla CRDs and a few fake (KWOK) nodes.
 //! Everything is server-side applied, so a second `up` changes nothing.
 
-use crate::env::Provider;
 use crate::wait::{await_object, wait_for};
 use anyhow::{Context, Result};
 use k8s_openapi::api::core::v1::{Node, ServiceAccount};
@@ -14,7 +13,7 @@ use std::time::Duration;
 
 /// The field manager of everything `up` applies.
 pub const FIELD_MANAGER: &str = "flotilla-e2e";
-/// How many fake nodes each cluster of the local provider gets.
+/// How many fake nodes each cluster gets.
 pub const FAKE_NODES: usize = 3;
 
 /// Allocatable CPU cores of each fake node of member `name`: cluster1 32, cluster2 16,
@@ -32,7 +31,7 @@ pub const FAKE_NODE_LABEL: (&str, &str) = ("type", "kwok");
 
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
-pub async fn prepare(client: &Client, name: &str, provider: Provider) -> Result<()> {
+pub async fn prepare(client: &Client, name: &str) -> Result<()> {
     wait_for(
         READY_TIMEOUT,
         &format!("the apiserver of {name}"),
@@ -44,9 +43,8 @@ pub async fn prepare(client: &Client, name: &str, provider: Provider) -> Result<
         // The cluster inventory API, which the hub publishes ClusterProfiles into.
         install_crds(client, flotilla_crds::inventory_crds()).await?;
     }
-    if provider == Provider::Local {
-        fake_nodes(client, FAKE_NODES, node_cores(name)).await?;
-    }
+    // Both providers: the kind provider runs a KWOK controller beside each kind cluster.
+    fake_nodes(client, FAKE_NODES, node_cores(name)).await?;
     // Pods need the namespace's default ServiceAccount, which kube-controller-manager
     // creates: waiting for it means the controllers run and tests can create pods at once.
     let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), "default");

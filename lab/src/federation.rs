@@ -429,7 +429,9 @@ pub async fn up(env: &Env) -> Result<Federation> {
             &[("name", member), (REGION, region_of(member))],
             &token,
         )?;
-        let (http, webhook, scaler) = (free_addr()?, free_addr()?, free_addr()?);
+        let (http, scaler) = (free_addr()?, free_addr()?);
+        // Where the member's apiserver reaches it (for kind, not loopback).
+        let webhook = crate::provider::host_addr_for_apiservers(env)?;
         components.insert(
             agent_name(member),
             Launch {

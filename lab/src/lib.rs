@@ -104,7 +104,7 @@ pub async fn up_with(
     }
     for c in &env.clusters {
         let client = env.client(&c.name).await?;
-        cluster::prepare(&client, &c.name, provider)
+        cluster::prepare(&client, &c.name)
             .await
             .with_context(|| format!("preparing cluster {}", c.name))?;
     }

@@ -1,16 +1,45 @@
 //! The kind provider, for users with Docker: one `kind create cluster` per cluster, same
 //! state dir, same kubeconfig paths, so the suite cannot tell the providers apart.
 //!
-//! kind clusters have a real node (kubelet + containerd), so Deployments get real pods and
-//! no KWOK controller is needed. The suite's Deployments run `registry.k8s.io/pause`,
-//! which kind node images usually carry already (else the kubelet pulls it).
+//! Each kind cluster has one real node (kubelet + containerd in a Docker container), and,
+//! as in real-node mode, KWOK nodes beside it for the MyApps' pods: their images
+//! (`nginx:1.27`, ...) cannot be pulled here, and the scheduling suite needs the fake
+//! nodes' sizes. So `up`, once a cluster answers:
+//! - labels the kind node `flotilla.io/real-node=true`, taints it
+//!   `flotilla.io/real-node=true:NoSchedule` (real-node mode's taint) and cordons it, so
+//!   that the MyApps' pods (no toleration) land on the KWOK nodes and the agents'
+//!   capacity reports count the KWOK nodes alone, as on the local provider;
+//! - gives kind's own workloads (kube-system, local-path-storage: CoreDNS, kube-proxy,
+//!   the CNI, the storage provisioner) the toleration and a nodeSelector on that label,
+//!   so that they stay on the kind node, and waits until they have rolled out;
+//! - starts the cached `kwok` controller as a host process against the cluster's
+//!   apiserver, managing only the nodes labelled `type=kwok` (recorded as `kwok-<cluster>`,
+//!   stopped by `down` with the hub and agents); [`crate::cluster::prepare`] then adds the
+//!   fake nodes, as for the local provider.
 //!
-//! Not run on our own machines (no Docker engine there): kept small and plain.
+//! `down` deletes the clusters, checks that none of their containers or volumes is left,
+//! and removes kind's Docker network `kind` when no container uses it any more.
 
+use crate::cluster::{FAKE_NODE_LABEL, FIELD_MANAGER};
 use crate::env::{ClusterState, Env};
-use anyhow::{Context, Result, bail};
+use crate::provider::realnode::REAL_NODE_KEY;
+use crate::wait::wait_for;
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::{Node, Taint, Toleration};
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::{Client, ResourceExt};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Stdio;
+use std::time::Duration;
+
+/// The namespaces of kind's own workloads, kept on the kind node.
+const SYSTEM_NAMESPACES: [&str; 2] = ["kube-system", "local-path-storage"];
+/// How long kind's workloads may take to roll out onto the tainted node.
+const ROLLOUT_TIMEOUT: Duration = Duration::from_secs(180);
+/// The taint a cordoned node carries (and a Deployment's pods must tolerate to land there).
+const UNSCHEDULABLE_TAINT: &str = "node.kubernetes.io/unschedulable";
 
 /// The kind binary (`$KIND`, else `kind` on PATH); `$FLOTILLA_KIND_IMAGE` picks a node image.
 fn kind_bin() -> String {
@@ -84,6 +113,16 @@ async fn kind(args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// The name of the one node of kind cluster `kind_name` (kind's naming).
+pub fn node_name(kind_name: &str) -> String {
+    format!("{kind_name}-control-plane")
+}
+
+/// The process name of the KWOK controller of `cluster`.
+pub fn kwok_process(cluster: &str) -> String {
+    format!("kwok-{cluster}")
+}
+
 pub async fn up(env: &mut Env) -> Result<()> {
     let config = env.dir.join("kind.yaml");
     std::fs::write(&config, kind_config())?;
@@ -111,13 +150,236 @@ pub async fn up(env: &mut Env) -> Result<()> {
             .await
             .with_context(|| format!("creating kind cluster {name}"))?;
     }
+    let bin = crate::provider::local::binaries(false).await?;
+    for c in &env.clusters {
+        let client = env.client(&c.name).await?;
+        let node = node_name(&kind_name(env, &c.name));
+        keep_to_the_kind_node(&client, &node)
+            .await
+            .with_context(|| format!("cluster {}: tainting kind node {node}", c.name))?;
+        system_workloads_on_the_kind_node(&client)
+            .await
+            .with_context(|| {
+                format!(
+                    "cluster {}: moving kind's own workloads to kind node {node}",
+                    c.name
+                )
+            })?;
+        start_kwok(env, c, &bin.join("kwok"))
+            .with_context(|| format!("cluster {}: starting its KWOK controller", c.name))?;
+    }
     Ok(())
+}
+
+/// Labels, taints and cordons the kind node (server-side apply, so a second `up` changes
+/// nothing): only what tolerates the taint and selects the label runs there.
+async fn keep_to_the_kind_node(client: &Client, node: &str) -> Result<()> {
+    let api: Api<Node> = Api::all(client.clone());
+    let patch = serde_json::json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": {
+            "name": node, "labels": {REAL_NODE_KEY: "true"},
+        },
+        "spec": {
+            "unschedulable": true,
+            "taints": [{"key": REAL_NODE_KEY, "value": "true", "effect": "NoSchedule"}],
+        },
+    });
+    api.patch(
+        node,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .with_context(|| format!("applying the label, taint and cordon to node {node}"))?;
+    let got = api.get(node).await?;
+    let taints: &[Taint] = got
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_deref())
+        .unwrap_or_default();
+    ensure!(
+        taints
+            .iter()
+            .any(|t| t.key == REAL_NODE_KEY && t.effect == "NoSchedule"),
+        "node {node} does not carry the taint {REAL_NODE_KEY} after the patch: {taints:?}"
+    );
+    Ok(())
+}
+
+/// Whether `tolerations` tolerate a `NoSchedule` taint with `key`.
+fn tolerates(tolerations: &[Toleration], key: &str) -> bool {
+    tolerations.iter().any(|t| {
+        let effect_ok = t.effect.as_deref().is_none_or(|e| e == "NoSchedule");
+        let key_ok = match t.key.as_deref() {
+            None | Some("") => t.operator.as_deref() == Some("Exists"),
+            Some(k) => k == key,
+        };
+        effect_ok && key_ok
+    })
+}
+
+/// The pod template patch that keeps a workload of kind's on the kind node: its
+/// tolerations plus the real-node taint's (and, for a Deployment, the cordon's), and a
+/// nodeSelector on the real-node label. `None` if it has them already.
+fn pin_patch(
+    tolerations: &[Toleration],
+    node_selector: Option<&BTreeMap<String, String>>,
+    cordoned_too: bool,
+) -> Option<serde_json::Value> {
+    let mut all = tolerations.to_vec();
+    let mut keys = vec![REAL_NODE_KEY];
+    if cordoned_too {
+        keys.push(UNSCHEDULABLE_TAINT);
+    }
+    for key in keys {
+        if !tolerates(&all, key) {
+            all.push(Toleration {
+                key: Some(key.to_string()),
+                operator: Some("Exists".to_string()),
+                effect: Some("NoSchedule".to_string()),
+                ..Default::default()
+            });
+        }
+    }
+    let selected =
+        node_selector.is_some_and(|s| s.get(REAL_NODE_KEY).map(String::as_str) == Some("true"));
+    if all.len() == tolerations.len() && selected {
+        return None;
+    }
+    let mut selector = node_selector.cloned().unwrap_or_default();
+    selector.insert(REAL_NODE_KEY.to_string(), "true".to_string());
+    // A merge patch: the tolerations list is replaced whole (it holds the old ones too).
+    Some(serde_json::json!({"spec": {"template": {"spec": {
+        "tolerations": all, "nodeSelector": selector,
+    }}}}))
+}
+
+/// Gives every Deployment and DaemonSet of kind's (kube-system, local-path-storage) the
+/// toleration and nodeSelector of the kind node, then waits until each has rolled out.
+async fn system_workloads_on_the_kind_node(client: &Client) -> Result<()> {
+    let pp = PatchParams::default();
+    for ns in SYSTEM_NAMESPACES {
+        let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
+        for d in deployments.list(&ListParams::default()).await? {
+            let spec = d.spec.as_ref().and_then(|s| s.template.spec.as_ref());
+            let tolerations = spec
+                .and_then(|s| s.tolerations.as_deref())
+                .unwrap_or_default();
+            let selector = spec.and_then(|s| s.node_selector.as_ref());
+            if let Some(patch) = pin_patch(tolerations, selector, true) {
+                deployments
+                    .patch(&d.name_any(), &pp, &Patch::Merge(&patch))
+                    .await
+                    .with_context(|| format!("patching Deployment {ns}/{}", d.name_any()))?;
+            }
+        }
+        let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), ns);
+        for d in daemonsets.list(&ListParams::default()).await? {
+            let spec = d.spec.as_ref().and_then(|s| s.template.spec.as_ref());
+            let tolerations = spec
+                .and_then(|s| s.tolerations.as_deref())
+                .unwrap_or_default();
+            let selector = spec.and_then(|s| s.node_selector.as_ref());
+            if let Some(patch) = pin_patch(tolerations, selector, false) {
+                daemonsets
+                    .patch(&d.name_any(), &pp, &Patch::Merge(&patch))
+                    .await
+                    .with_context(|| format!("patching DaemonSet {ns}/{}", d.name_any()))?;
+            }
+        }
+    }
+    for ns in SYSTEM_NAMESPACES {
+        let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
+        let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), ns);
+        let what = format!("kind's Deployments and DaemonSets in {ns} rolled out on the kind node");
+        wait_for(ROLLOUT_TIMEOUT, &what, || async {
+            let mut pending = Vec::new();
+            for d in deployments.list(&ListParams::default()).await? {
+                if !deployment_rolled_out(&d) {
+                    pending.push(format!("Deployment {}: {:?}", d.name_any(), d.status));
+                }
+            }
+            for d in daemonsets.list(&ListParams::default()).await? {
+                if !daemonset_rolled_out(&d) {
+                    pending.push(format!("DaemonSet {}: {:?}", d.name_any(), d.status));
+                }
+            }
+            Ok(pending.is_empty().then_some(()))
+        })
+        .await?;
+    }
+    Ok(())
+}
+
+fn deployment_rolled_out(d: &Deployment) -> bool {
+    let want = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    let generation = d.metadata.generation.unwrap_or(0);
+    d.status.as_ref().is_some_and(|s| {
+        s.observed_generation.unwrap_or(0) >= generation
+            && s.updated_replicas.unwrap_or(0) == want
+            && s.ready_replicas.unwrap_or(0) == want
+            && s.replicas.unwrap_or(0) == want
+    })
+}
+
+fn daemonset_rolled_out(d: &DaemonSet) -> bool {
+    let generation = d.metadata.generation.unwrap_or(0);
+    d.status.as_ref().is_some_and(|s| {
+        s.observed_generation.unwrap_or(0) >= generation
+            && s.desired_number_scheduled >= 1
+            && s.updated_number_scheduled.unwrap_or(0) == s.desired_number_scheduled
+            && s.number_ready == s.desired_number_scheduled
+            && s.current_number_scheduled == s.desired_number_scheduled
+    })
+}
+
+/// Starts the KWOK controller of `cluster` (unless it runs already): a host process
+/// against the cluster's apiserver, managing the nodes labelled `type=kwok` only, as
+/// kwokctl runs it for real-node mode.
+fn start_kwok(env: &Env, cluster: &ClusterState, kwok: &Path) -> Result<()> {
+    let name = kwok_process(&cluster.name);
+    let running = crate::process::records(&env.dir)?
+        .into_iter()
+        .any(|r| r.name == name && r.alive());
+    if running {
+        return Ok(());
+    }
+    let mut cmd = std::process::Command::new(kwok);
+    cmd.args(kwok_args(&cluster.kubeconfig));
+    env.spawn(&name, &mut cmd)?;
+    Ok(())
+}
+
+fn kwok_args(kubeconfig: &Path) -> Vec<String> {
+    vec![
+        format!("--kubeconfig={}", kubeconfig.display()),
+        "--manage-all-nodes=false".to_string(),
+        format!(
+            "--manage-nodes-with-label-selector={}={}",
+            FAKE_NODE_LABEL.0, FAKE_NODE_LABEL.1
+        ),
+        "--node-lease-duration-seconds=40".to_string(),
+    ]
 }
 
 pub async fn down(env: &Env) -> Result<()> {
     let existing = kind(&["get", "clusters"]).await?;
     for c in &env.clusters {
         let name = kind_name(env, &c.name);
+        // The node's volumes (kind's anonymous `/var`), to check that they went with it.
+        let label = format!("label=io.x-k8s.kind.cluster={name}");
+        let containers = docker(&["ps", "-aq", "-f", &label]).await?;
+        let mut volumes = Vec::new();
+        for id in containers.split_whitespace() {
+            let names = docker(&[
+                "inspect",
+                "-f",
+                "{{range .Mounts}}{{if .Name}}{{.Name}} {{end}}{{end}}",
+                id,
+            ])
+            .await?;
+            volumes.extend(names.split_whitespace().map(String::from));
+        }
         if existing.lines().any(|l| l.trim() == name) {
             let kubeconfig = c.kubeconfig.to_string_lossy().into_owned();
             kind(&[
@@ -128,10 +390,105 @@ pub async fn down(env: &Env) -> Result<()> {
                 "--kubeconfig",
                 &kubeconfig,
             ])
-            .await?;
+            .await
+            .with_context(|| format!("cluster {}: deleting kind cluster {name}", c.name))?;
         }
+        let left = docker(&["ps", "-aq", "-f", &label]).await?;
+        ensure!(
+            left.trim().is_empty(),
+            "cluster {}: containers of kind cluster {name} left after `kind delete cluster`: {}",
+            c.name,
+            left.split_whitespace().collect::<Vec<_>>().join(" ")
+        );
+        let all = docker(&["volume", "ls", "-q"]).await?;
+        let kept: Vec<&String> = volumes
+            .iter()
+            .filter(|v| all.lines().any(|l| l.trim() == v.as_str()))
+            .collect();
+        ensure!(
+            kept.is_empty(),
+            "cluster {}: volumes of kind cluster {name} left after `kind delete cluster`: {kept:?}",
+            c.name
+        );
     }
+    remove_network_if_unused().await?;
     remove(&env.dir.join("kind.yaml"))
+}
+
+/// kind's Docker network, which `kind delete cluster` keeps for the next cluster.
+const NETWORK: &str = "kind";
+
+/// The IPv4 gateway of the `kind` network: the host's address as the nodes (and so the
+/// apiservers, static Pods on the host network of their node) reach it.
+pub fn gateway() -> Result<String> {
+    let out = std::process::Command::new("docker")
+        .args([
+            "network",
+            "inspect",
+            NETWORK,
+            "-f",
+            "{{range .IPAM.Config}}{{.Gateway}} {{end}}",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .context("running `docker network inspect kind` (is Docker installed?)")?;
+    if !out.status.success() {
+        bail!(
+            "`docker network inspect {NETWORK}` failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    stdout
+        .split_whitespace()
+        .find(|a| a.parse::<std::net::Ipv4Addr>().is_ok())
+        .map(String::from)
+        .with_context(|| format!("Docker network {NETWORK} has no IPv4 gateway: {stdout:?}"))
+}
+
+/// Removes the `kind` network (its bridge and iptables rules) when no container is
+/// attached to it any more: clusters of other environments keep it.
+async fn remove_network_if_unused() -> Result<()> {
+    let filter = format!("name=^{NETWORK}$");
+    if docker(&["network", "ls", "-q", "-f", &filter])
+        .await?
+        .trim()
+        .is_empty()
+    {
+        return Ok(());
+    }
+    let users = docker(&["ps", "-aq", "-f", &format!("network={NETWORK}")]).await?;
+    if !users.trim().is_empty() {
+        eprintln!(
+            "flotilla-e2e: Docker network {NETWORK} kept: containers {} use it",
+            users.split_whitespace().collect::<Vec<_>>().join(" ")
+        );
+        return Ok(());
+    }
+    docker(&["network", "rm", NETWORK])
+        .await
+        .with_context(|| format!("removing Docker network {NETWORK}"))?;
+    Ok(())
+}
+
+async fn docker(args: &[&str]) -> Result<String> {
+    let out = tokio::process::Command::new("docker")
+        .args(args)
+        .kill_on_drop(true)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .with_context(|| format!("running `docker {}` (is Docker installed?)", args.join(" ")))?;
+    if !out.status.success() {
+        bail!(
+            "`docker {}` failed ({}): {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 fn remove(p: &Path) -> Result<()> {
@@ -202,6 +559,45 @@ mod tests {
             pinned[pinned.len() - 2..],
             ["--image", "kindest/node:v1.34.0"]
         );
+    }
+
+    #[test]
+    fn kind_workloads_get_the_toleration_and_selector_once() {
+        let control_plane = Toleration {
+            key: Some("node-role.kubernetes.io/control-plane".into()),
+            operator: Some("Exists".into()),
+            effect: Some("NoSchedule".into()),
+            ..Default::default()
+        };
+        let patch = pin_patch(std::slice::from_ref(&control_plane), None, true).unwrap();
+        let spec = &patch["spec"]["template"]["spec"];
+        let tolerations: Vec<Toleration> =
+            serde_json::from_value(spec["tolerations"].clone()).unwrap();
+        assert_eq!(tolerations[0], control_plane, "the old ones are kept");
+        assert!(tolerates(&tolerations, REAL_NODE_KEY));
+        assert!(tolerates(&tolerations, UNSCHEDULABLE_TAINT));
+        assert_eq!(spec["nodeSelector"][REAL_NODE_KEY], "true");
+        let selector = BTreeMap::from([(REAL_NODE_KEY.to_string(), "true".to_string())]);
+        assert_eq!(pin_patch(&tolerations, Some(&selector), true), None);
+        // A DaemonSet that tolerates every taint only needs the selector.
+        let all = Toleration {
+            operator: Some("Exists".into()),
+            ..Default::default()
+        };
+        let patch = pin_patch(std::slice::from_ref(&all), None, false).unwrap();
+        assert_eq!(
+            patch["spec"]["template"]["spec"]["tolerations"],
+            serde_json::json!([all])
+        );
+        assert!(!tolerates(&[control_plane], REAL_NODE_KEY));
+    }
+
+    #[test]
+    fn kwok_manages_the_fake_nodes_only() {
+        let args = kwok_args(Path::new("/state/kubeconfigs/cluster1.yaml"));
+        assert!(args.contains(&"--manage-all-nodes=false".to_string()));
+        assert!(args.contains(&"--manage-nodes-with-label-selector=type=kwok".to_string()));
+        assert!(args.contains(&"--kubeconfig=/state/kubeconfigs/cluster1.yaml".to_string()));
     }
 
     #[test]

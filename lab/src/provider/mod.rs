@@ -15,3 +15,21 @@
 pub mod kind;
 pub mod local;
 pub mod realnode;
+
+use crate::env::{Env, Provider};
+use anyhow::Result;
+
+/// `ADDRESS:PORT` (a free port) where a host process must listen for the apiservers of
+/// `env` to reach it, e.g. an agent's conversion webhook: loopback on the local provider
+/// (its apiservers are host processes too), the `kind` network's gateway on kind (the
+/// apiservers run in the node containers, whose loopback is their own).
+pub fn host_addr_for_apiservers(env: &Env) -> Result<String> {
+    match env.provider {
+        Provider::Local => crate::support::free_addr(),
+        Provider::Kind => Ok(format!(
+            "{}:{}",
+            kind::gateway()?,
+            crate::support::free_port()?
+        )),
+    }
+}
