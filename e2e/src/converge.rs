@@ -131,13 +131,13 @@ fn observed(actual: &ActualState, key: &str, now: Instant) -> Observed {
         .filter_map(|(c, apps)| Some((c, apps.get(key)?)));
     have.map(|(cluster, have)| {
         let seen = Seen {
-            hash: have.hash.clone().unwrap_or_default(),
+            hash: have.hash.as_deref().unwrap_or_default().into(),
             ready: have.ready,
             degraded: None,
             apply_error: None,
             since: now,
         };
-        (cluster.clone(), seen)
+        (cluster.as_str().into(), seen)
     })
     .collect()
 }
