@@ -41,7 +41,9 @@ pub enum Change {
     Delete { orphan: bool },
 }
 
-pub type Push = (String, AppKey, Change);
+/// A change for one cluster's agent; the key is the index's shared handle, so that the
+/// queue of a fleet connecting at once holds a pointer per pair, not a copy of the key.
+pub type Push = (String, Arc<AppKey>, Change);
 
 /// What an agent said about one of its MyApps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -230,7 +232,7 @@ impl Index {
             departed.insert(cluster.clone());
             pushes.push((
                 cluster.clone(),
-                key.clone(),
+                shared.clone(),
                 Change::Delete { orphan: false },
             ));
         }
@@ -246,7 +248,7 @@ impl Index {
                 if !unchanged {
                     pushes.push((
                         cluster.clone(),
-                        key.clone(),
+                        shared.clone(),
                         Change::Apply(rendered.clone()),
                     ));
                 }
@@ -318,7 +320,7 @@ impl Index {
                 claimed.insert(cluster.clone(), now + self.claim_wait.0);
             }
             if held.is_some() && before != Some(Desired::Release) {
-                pushes.push((cluster.clone(), key.clone(), Change::Delete { orphan }));
+                pushes.push((cluster.clone(), shared.clone(), Change::Delete { orphan }));
             }
             if orphan {
                 // Kept in the desired set so that reconnecting agents release it rather
@@ -470,12 +472,12 @@ impl Index {
                 match (&desired[key], hash) {
                     (Desired::Apply(r), hash) if hash != Some(&r.hash) => {
                         let apply = Change::Apply(r.clone());
-                        pushes.push((cluster.to_owned(), AppKey::clone(key), apply));
+                        pushes.push((cluster.to_owned(), key.clone(), apply));
                     }
                     (Desired::Release, Some(_)) => {
                         pushes.push((
                             cluster.to_owned(),
-                            AppKey::clone(key),
+                            key.clone(),
                             Change::Delete { orphan: true },
                         ));
                     }
@@ -517,7 +519,7 @@ impl Index {
                 // breaker to hold back.
                 pushes.push((
                     cluster.to_owned(),
-                    key.clone(),
+                    self.desired.shared_key(cluster, key),
                     Change::Delete { orphan: false },
                 ));
             }
@@ -578,9 +580,9 @@ impl Index {
                 if !drifted.insert(key.clone()) {
                     return Vec::new();
                 }
-                match self.desired.get(cluster).and_then(|d| d.get(key)) {
-                    Some(Desired::Apply(r)) => {
-                        vec![(cluster.to_owned(), key.clone(), Change::Apply(r.clone()))]
+                match self.desired.get(cluster).and_then(|d| d.get_key_value(key)) {
+                    Some((shared, Desired::Apply(r))) => {
+                        vec![(cluster.to_owned(), shared.clone(), Change::Apply(r.clone()))]
                     }
                     _ => Vec::new(),
                 }
@@ -589,9 +591,9 @@ impl Index {
             Held::Absent => {
                 apps.remove(key);
                 self.confirm_gone(cluster, key);
-                match self.desired.get(cluster).and_then(|d| d.get(key)) {
-                    Some(Desired::Apply(r)) => {
-                        vec![(cluster.to_owned(), key.clone(), Change::Apply(r.clone()))]
+                match self.desired.get(cluster).and_then(|d| d.get_key_value(key)) {
+                    Some((shared, Desired::Apply(r))) => {
+                        vec![(cluster.to_owned(), shared.clone(), Change::Apply(r.clone()))]
                     }
                     _ => Vec::new(),
                 }

@@ -697,7 +697,7 @@ impl Model {
             }
             let agent = &mut self.agents[c[1..].parse::<usize>().expect("cN")];
             if agent.connected {
-                agent.push(Some(key), Message::Change(change));
+                agent.push(Some(AppKey::clone(&key)), Message::Change(change));
             }
         }
         Ok(())
