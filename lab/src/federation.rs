@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::env::Env;
 use crate::hubcli::HubCli;
 use crate::process::{self, ProcessRecord};
-use crate::support::{cargo_binaries, free_addr, http_get};
+use crate::support::{cargo_binaries, free_addr, http_get, stdout_of};
 
 const STATE_FILE: &str = "federation.json";
 pub const HUB: &str = "flotilla-hub";
@@ -357,14 +357,7 @@ fn kubectl(kubeconfig: &Path, args: &[&str]) -> Result<String> {
         .env("KUBECONFIG", kubeconfig)
         .output()
         .context("running kubectl (is it on PATH?)")?;
-    if !out.status.success() {
-        bail!(
-            "`kubectl {}` failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    stdout_of(format_args!("`kubectl {}`", args.join(" ")), out)
 }
 
 pub async fn up(env: &Env) -> Result<Federation> {

@@ -4,7 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
+
+use crate::support::stdout_of;
 
 /// The `flotilla-hub` binary, pointed at a host kubeconfig.
 #[derive(Debug, Clone)]
@@ -19,15 +21,7 @@ impl HubCli {
         let mut cmd = Command::new(&self.program);
         cmd.args(args).env("KUBECONFIG", &self.kubeconfig);
         let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
-        if !out.status.success() {
-            bail!(
-                "`flotilla-hub {}` failed ({}): {}",
-                args.join(" "),
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        stdout_of(format_args!("`flotilla-hub {}`", args.join(" ")), out)
     }
 
     /// A private CA and the hub's serving certificate into `dir` (ca.crt, tls.crt, tls.key).

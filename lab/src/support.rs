@@ -12,6 +12,19 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
+/// A finished command's stdout, or an error naming it (`what`, e.g. "`kubectl get pods`"),
+/// with its exit status and its stderr.
+pub fn stdout_of(what: impl std::fmt::Display, out: std::process::Output) -> Result<String> {
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 /// The workspace root, known at compile time (the binaries and the tests live in it).
 pub fn workspace_root() -> PathBuf {
     let lab = Path::new(env!("CARGO_MANIFEST_DIR"));

@@ -23,10 +23,11 @@
 use crate::cluster::{FAKE_NODE_LABEL, FIELD_MANAGER};
 use crate::env::{ClusterState, Env};
 use crate::provider::realnode::REAL_NODE_KEY;
+use crate::support::stdout_of;
 use crate::wait::wait_for;
 use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
-use k8s_openapi::api::core::v1::{Node, Taint, Toleration};
+use k8s_openapi::api::core::v1::{Node, PodSpec, Taint, Toleration};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use std::collections::BTreeMap;
@@ -254,39 +255,52 @@ fn pin_patch(
     }}}}))
 }
 
+/// Patches each workload in `api` whose Pod template lacks the kind node's tolerations
+/// or nodeSelector (see [`pin_patch`]).
+async fn pin_all<K>(
+    api: &Api<K>,
+    pod_spec: impl Fn(&K) -> Option<&PodSpec>,
+    cordoned_too: bool,
+) -> Result<()>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    K::DynamicType: Default,
+{
+    for w in api.list(&ListParams::default()).await? {
+        let spec = pod_spec(&w);
+        let tolerations = spec
+            .and_then(|s| s.tolerations.as_deref())
+            .unwrap_or_default();
+        let selector = spec.and_then(|s| s.node_selector.as_ref());
+        if let Some(patch) = pin_patch(tolerations, selector, cordoned_too) {
+            let (kind, name) = (K::kind(&Default::default()).into_owned(), w.name_any());
+            let ns = w.namespace().unwrap_or_default();
+            api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .with_context(|| format!("patching {kind} {ns}/{name}"))?;
+        }
+    }
+    Ok(())
+}
+
 /// Gives every Deployment and DaemonSet of kind's (kube-system, local-path-storage) the
 /// toleration and nodeSelector of the kind node, then waits until each has rolled out.
 async fn system_workloads_on_the_kind_node(client: &Client) -> Result<()> {
-    let pp = PatchParams::default();
     for ns in SYSTEM_NAMESPACES {
-        let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
-        for d in deployments.list(&ListParams::default()).await? {
-            let spec = d.spec.as_ref().and_then(|s| s.template.spec.as_ref());
-            let tolerations = spec
-                .and_then(|s| s.tolerations.as_deref())
-                .unwrap_or_default();
-            let selector = spec.and_then(|s| s.node_selector.as_ref());
-            if let Some(patch) = pin_patch(tolerations, selector, true) {
-                deployments
-                    .patch(&d.name_any(), &pp, &Patch::Merge(&patch))
-                    .await
-                    .with_context(|| format!("patching Deployment {ns}/{}", d.name_any()))?;
-            }
-        }
-        let daemonsets: Api<DaemonSet> = Api::namespaced(client.clone(), ns);
-        for d in daemonsets.list(&ListParams::default()).await? {
-            let spec = d.spec.as_ref().and_then(|s| s.template.spec.as_ref());
-            let tolerations = spec
-                .and_then(|s| s.tolerations.as_deref())
-                .unwrap_or_default();
-            let selector = spec.and_then(|s| s.node_selector.as_ref());
-            if let Some(patch) = pin_patch(tolerations, selector, false) {
-                daemonsets
-                    .patch(&d.name_any(), &pp, &Patch::Merge(&patch))
-                    .await
-                    .with_context(|| format!("patching DaemonSet {ns}/{}", d.name_any()))?;
-            }
-        }
+        let deployments = Api::<Deployment>::namespaced(client.clone(), ns);
+        pin_all(
+            &deployments,
+            |d| d.spec.as_ref()?.template.spec.as_ref(),
+            true,
+        )
+        .await?;
+        let daemonsets = Api::<DaemonSet>::namespaced(client.clone(), ns);
+        pin_all(
+            &daemonsets,
+            |d| d.spec.as_ref()?.template.spec.as_ref(),
+            false,
+        )
+        .await?;
     }
     for ns in SYSTEM_NAMESPACES {
         let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
@@ -480,15 +494,7 @@ async fn docker(args: &[&str]) -> Result<String> {
         .output()
         .await
         .with_context(|| format!("running `docker {}` (is Docker installed?)", args.join(" ")))?;
-    if !out.status.success() {
-        bail!(
-            "`docker {}` failed ({}): {}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    stdout_of(format_args!("`docker {}`", args.join(" ")), out)
 }
 
 fn remove(p: &Path) -> Result<()> {

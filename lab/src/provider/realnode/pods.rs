@@ -26,7 +26,7 @@ use super::{self as realnode, REAL_NODE_KEY};
 use crate::env::Env;
 use crate::federation::{HUB_NAMESPACE, REGION, region_of, wait_member_ready};
 use crate::hubcli::HubCli;
-use crate::support::{cargo_binaries, cargo_binaries_with, workspace_root};
+use crate::support::{cargo_binaries, cargo_binaries_with, stdout_of, workspace_root};
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, Secret};
@@ -177,15 +177,7 @@ fn kubectl(bin: &Path, kubeconfig: &Path, args: &[&str]) -> Result<String> {
         .args(args)
         .output()
         .context("running kubectl")?;
-    if !out.status.success() {
-        bail!(
-            "kubectl {} failed ({}): {}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    stdout_of(format_args!("kubectl {}", args.join(" ")), out)
 }
 
 /// `kubectl describe pod` of the Pods of `namespace` matching `selector`: what a failure shows.
