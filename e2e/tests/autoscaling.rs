@@ -628,8 +628,15 @@ async fn federated_bounds_follow_the_weights_and_move_on_failover() -> Result<()
             shares.push(member.annotations().get(SHARE_ANNOTATION).cloned().unwrap_or_default());
         }
         ensure!(shares == ["8/16", "4/16", "4/16"], "metric shares {shares:?}");
-        let status = fedapps.get(APP).await?.status.context("no status")?;
-        let shown: Vec<_> = status.clusters.iter().map(|c| (c.min_replicas, c.replicas)).collect();
+        // The hub coalesces status writes (over a window that widens with its backlog), so
+        // the status may follow the members by a moment.
+        let shown = wait_for(TIMEOUT, "the bounds in the FederatedMyApp's status", || async {
+            let status = fedapps.get(APP).await?.status.unwrap_or_default();
+            let shown: Vec<_> = status.clusters.iter().map(|c| (c.min_replicas, c.replicas)).collect();
+            let written = shown.len() == 3 && shown.iter().all(|(min, _)| min.is_some());
+            Ok(written.then_some(shown))
+        })
+        .await?;
         ensure!(shown == [(Some(4), Some(8)), (Some(2), Some(4)), (Some(2), Some(4))], "status {shown:?}");
         println!("federated bounds: HPAs 4..8, 2..4, 2..4; metric shares {shares:?}");
 
