@@ -312,7 +312,7 @@ fn hub_service(
         "planned {pairs} pairs, expected {}",
         size.pairs()
     );
-    dispatcher.planned_for(members.into_keys().collect());
+    dispatcher.planned_for(members.into_keys().map(|c| c.to_string()).collect());
     let service = FederationService {
         dispatcher: dispatcher.clone(),
         status,
@@ -364,7 +364,7 @@ impl Bare {
     fn new(size: &Size) -> Result<Bare> {
         // One app's rendered bytes, the same size as every app's.
         let members = (0..size.clusters)
-            .map(|i| (cluster_name(i), Default::default()))
+            .map(|i| (cluster_name(i).into(), Default::default()))
             .collect();
         let desired = plan(
             &fed_app(0, size),

@@ -116,7 +116,7 @@ pub fn desired(
                 ClusterPlan::Keep(_) => Want::Any,
                 ClusterPlan::Unknown => continue,
             };
-            if let Some(wants) = out.get_mut(&cluster) {
+            if let Some(wants) = out.get_mut(&*cluster) {
                 wants.insert(key.clone(), want);
             }
         }
@@ -363,7 +363,7 @@ mod tests {
                     .iter()
                     .map(|(k, v)| (k.to_string(), v.to_string()))
                     .collect();
-                (n.to_string(), placement::Member::with_labels(labels))
+                ((*n).into(), placement::Member::with_labels(labels))
             })
             .collect()
     }
@@ -527,7 +527,7 @@ mod tests {
         )
         .unwrap();
         let m = members_of(&[gone, kept]);
-        assert_eq!(m.keys().collect::<Vec<_>>(), ["kept"]);
+        assert_eq!(m.keys().map(|c| &**c).collect::<Vec<_>>(), ["kept"]);
         assert_eq!(m["kept"].labels["x"], "y");
     }
 

@@ -47,7 +47,7 @@ fn fixture() -> (FederatedMyApp, Members) {
         .map(|(i, n)| {
             let tier = if i % 3 == 0 { "gold" } else { "silver" };
             (
-                n,
+                n.into(),
                 Member::with_labels([("tier".into(), tier.into())].into()),
             )
         })

@@ -13,7 +13,7 @@ use flotilla_crds::{AppKey, FederatedMyApp};
 use flotilla_plan::AppPlan;
 use flotilla_plan::grants::Grants;
 use flotilla_plan::index::Desired;
-use flotilla_plan::placement::{Member, Members};
+use flotilla_plan::placement::{ClusterName, Member, Members};
 use flotilla_plan::planner::{Effects, Planner, Trigger};
 use flotilla_plan::rollout::Observed;
 use serde_json::json;
@@ -27,7 +27,7 @@ const EVERYWHERE: usize = 10;
 struct Count(usize);
 
 impl Effects for Count {
-    fn set_app(&mut self, _: &AppKey, _: Option<i64>, d: BTreeMap<String, Desired>) -> bool {
+    fn set_app(&mut self, _: &AppKey, _: Option<i64>, d: BTreeMap<ClusterName, Desired>) -> bool {
         black_box(d);
         true
     }
@@ -67,10 +67,10 @@ fn fixture() -> (Vec<Arc<FederatedMyApp>>, Members, Members) {
         .collect();
     apps.extend((0..EVERYWHERE).map(|i| app(APPS + i, json!({"clusterSelector": {}}))));
     let members: Members = (0..CLUSTERS)
-        .map(|c| (name(c), Member::default()))
+        .map(|c| (name(c).into(), Member::default()))
         .collect();
     let mut flipped = members.clone();
-    flipped.get_mut(&name(7)).unwrap().not_ready_for = Some(Duration::ZERO);
+    flipped.get_mut(name(7).as_str()).unwrap().not_ready_for = Some(Duration::ZERO);
     (apps, members, flipped)
 }
 

@@ -186,7 +186,7 @@ fn report(object: &str, planned: &AppPlan, output: Output) -> RenderReport {
         .filter_map(|(c, p)| Some((c, p.rendered()?.to_value())));
     let stdout = match output {
         Output::Json => {
-            let map: serde_json::Map<String, Value> = ok.map(|(c, v)| (c.clone(), v)).collect();
+            let map: serde_json::Map<String, Value> = ok.map(|(c, v)| (c.to_string(), v)).collect();
             serde_json::to_string_pretty(&map).expect("JSON serializes") + "\n"
         }
         Output::Yaml => ok
@@ -220,7 +220,7 @@ fn read(path: &Path) -> anyhow::Result<String> {
 fn named_members(app: &FederatedMyApp) -> Members {
     let named = app.spec.placement.clusters.iter().flatten();
     named
-        .map(|c| (c.name.clone(), Default::default()))
+        .map(|c| (c.name.as_str().into(), Default::default()))
         .collect()
 }
 
@@ -262,7 +262,7 @@ pub fn parse_members(yaml: &str, now: Timestamp) -> anyhow::Result<Members> {
             let mut mc = MemberCluster::new(&name, spec.unwrap_or_default());
             mc.metadata.labels = meta.labels;
             mc.status = status;
-            members.insert(name, Member::from_cluster(&mc, now));
+            members.insert(name.into(), Member::from_cluster(&mc, now));
         }
     }
     Ok(members)

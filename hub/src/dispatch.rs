@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use flotilla_plan::index::{AppKey, Change, Desired, Held, Index, Push, Scope};
+use flotilla_plan::placement::ClusterName;
 use flotilla_proto::WireKey;
 use flotilla_proto::v1::{self as pb, hub_message::Kind};
 use indexmap::IndexMap;
@@ -345,7 +346,7 @@ impl Dispatcher {
         &self,
         key: &AppKey,
         generation: Option<i64>,
-        plan: BTreeMap<String, Desired>,
+        plan: BTreeMap<ClusterName, Desired>,
     ) -> bool {
         let mut state = self.state.lock();
         if state.index.is_deleting(key) {
@@ -619,7 +620,7 @@ mod tests {
         d.set_app(
             &AppKey::new("ns", "a"),
             None,
-            [("c1".to_owned(), apply("h1"))].into(),
+            [("c1".into(), apply("h1"))].into(),
         );
         assert_eq!(drain(&q).await, ["renew 2", "apply a h1"]);
         assert_eq!(q.identity(), id("c1"));
@@ -638,12 +639,12 @@ mod tests {
         assert_eq!(drain(&q).await, ["sync 0"]);
         let key = AppKey::new("ns", "a");
         for h in ["h1", "h2", "h3"] {
-            d.set_app(&key, None, [("c1".to_owned(), apply(h))].into());
+            d.set_app(&key, None, [("c1".into(), apply(h))].into());
         }
         d.set_app(
             &AppKey::new("ns", "b"),
             None,
-            [("c1".to_owned(), apply("hb"))].into(),
+            [("c1".into(), apply("hb"))].into(),
         );
         assert_eq!(q.depth(), 2);
         assert_eq!(drain(&q).await, ["apply a h3", "apply b hb"]);
@@ -655,11 +656,7 @@ mod tests {
         d.set_app(
             &AppKey::new("ns", "a"),
             None,
-            [
-                ("c1".to_owned(), apply("h1")),
-                ("c2".to_owned(), apply("h2")),
-            ]
-            .into(),
+            [("c1".into(), apply("h1")), ("c2".into(), apply("h2"))].into(),
         );
         let q = d.connect(&id("c1"), &HashMap::new(), Scope::All).unwrap();
         assert_eq!(drain(&q).await, ["apply a h1", "sync 1"]);
@@ -701,7 +698,7 @@ mod tests {
         d.set_app(
             &AppKey::new("ns", "a"),
             None,
-            [("c1".to_owned(), apply("h"))].into(),
+            [("c1".into(), apply("h"))].into(),
         );
         assert_eq!(q.depth(), 0);
     }
@@ -710,7 +707,7 @@ mod tests {
     fn reports_for_apps_not_placed_on_the_cluster_or_from_replaced_sessions_are_refused() {
         let d = Dispatcher::default();
         let a = AppKey::new("ns", "a");
-        d.set_app(&a, None, [("c1".to_owned(), apply("h"))].into());
+        d.set_app(&a, None, [("c1".into(), apply("h"))].into());
         let q1 = d.connect(&id("c1"), &HashMap::new(), Scope::All).unwrap();
         let q2 = d.connect(&id("c2"), &HashMap::new(), Scope::All).unwrap();
         assert!(d.report(&q1, &a, Held::Present));
@@ -730,7 +727,7 @@ mod tests {
     async fn a_sync_complete_lists_the_desired_keys_as_they_were_when_queued() {
         let d = Dispatcher::default();
         for name in ["b", "a"] {
-            let desired = [("c1".to_owned(), apply("h"))].into();
+            let desired = [("c1".into(), apply("h"))].into();
             d.set_app(&AppKey::new("ns", name), None, desired);
         }
         let sync = |m: &pb::HubMessage| match m.kind.as_ref() {
@@ -741,7 +738,7 @@ mod tests {
         d.set_app(
             &AppKey::new("ns", "c"),
             None,
-            [("c1".to_owned(), apply("h"))].into(),
+            [("c1".into(), apply("h"))].into(),
         );
         let sent: Vec<pb::SyncComplete> = q.next_batch(100).await.iter().filter_map(sync).collect();
         let names = |s: &pb::SyncComplete| -> Vec<String> {
@@ -785,11 +782,7 @@ mod tests {
         let d = Dispatcher::default();
         d.planned_for(["c1".to_owned()].into());
         let key = AppKey::new("shop", "web");
-        d.set_app(
-            &key,
-            None,
-            BTreeMap::from([("c1".to_owned(), Desired::Keep)]),
-        );
+        d.set_app(&key, None, BTreeMap::from([("c1".into(), Desired::Keep)]));
         let scope = Scope::of(["a", "b", "c", "d"].map(String::from));
         let _q = d.connect(&id("c1"), &HashMap::new(), scope).unwrap();
         let (waiting, _) = d.delete_app(&key, false, &[]);

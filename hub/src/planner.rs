@@ -29,6 +29,7 @@ use flotilla_plan::AppPlan;
 use flotilla_plan::admission::Admission;
 use flotilla_plan::grants::Grants;
 use flotilla_plan::index::{AppKey, Desired};
+use flotilla_plan::placement::{ClusterName, ClusterNames};
 use flotilla_plan::planner::{self, Apps, Effects, Trigger, key_of, orphans};
 use flotilla_plan::rollout::Observed;
 use futures::{Stream, StreamExt};
@@ -42,7 +43,7 @@ use tracing::{info, warn};
 
 use crate::controller::Notices;
 use crate::dispatch::Dispatcher;
-use crate::membership::{MemberChanges, registered};
+use crate::membership::MemberChanges;
 use crate::status::{Planned, StatusBoard};
 
 /// Triggers taken at once, with one member snapshot.
@@ -105,7 +106,8 @@ impl Planner {
         inputs.members.borrow_and_update();
         inputs.grants.borrow_and_update();
         let mut grants = Grants::new(self.require_grant, std::iter::empty());
-        self.plan(&mut core, vec![Trigger::Members], &mut grants);
+        let mut names = ClusterNames::default();
+        self.plan(&mut core, vec![Trigger::Members], &mut grants, &mut names);
         gate.open();
         info!(
             apps = self.apps.state().len(),
@@ -113,16 +115,23 @@ impl Planner {
             "every app planned; accepting agents"
         );
         while let Some(batch) = next_batch(&mut inputs, &core, &shutdown).await? {
-            self.plan(&mut core, batch, &mut grants);
+            self.plan(&mut core, batch, &mut grants, &mut names);
         }
         Ok(())
     }
 
     /// Plans `batch` with one snapshot of the registered clusters and the grants, taken
     /// now: after the last await, so that no plan after it can use older ones. `last`:
-    /// the grants of the previous batch, to say what changed.
-    fn plan(&self, core: &mut planner::Planner, batch: Vec<Trigger>, last: &mut Grants) {
-        let members = registered(&self.members);
+    /// the grants of the previous batch, to say what changed. `names`: the clusters'
+    /// names of the previous batch, so that plans of every batch share one copy of each.
+    fn plan(
+        &self,
+        core: &mut planner::Planner,
+        batch: Vec<Trigger>,
+        last: &mut Grants,
+        names: &mut ClusterNames,
+    ) {
+        let members = names.registered_of(self.members.state().iter().map(|m| &**m));
         let grants = Grants::new(self.require_grant, self.grants.state().iter().map(|g| &**g));
         if grants != *last {
             log_grant_changes(&grants, last);
@@ -243,7 +252,7 @@ impl Effects for Writes<'_> {
         &mut self,
         key: &AppKey,
         generation: Option<i64>,
-        desired: BTreeMap<String, Desired>,
+        desired: BTreeMap<ClusterName, Desired>,
     ) -> bool {
         self.dispatcher.set_app(key, generation, desired)
     }

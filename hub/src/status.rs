@@ -20,6 +20,7 @@ use std::time::Duration;
 use flotilla_crds::FederatedMyApp;
 use flotilla_crds::federated::FederatedMyAppStatus;
 use flotilla_plan::index::AppKey;
+use flotilla_plan::placement::ClusterName;
 use flotilla_plan::planner::Trigger;
 use flotilla_plan::rollout::{Observed, Seen};
 use flotilla_plan::status::{Inputs, Report, Reports, compute, detail};
@@ -64,7 +65,7 @@ pub struct Planned {
 
 impl Planned {
     /// The clusters its status reports on.
-    fn clusters(&self) -> impl Iterator<Item = &String> {
+    fn clusters(&self) -> impl Iterator<Item = &ClusterName> {
         self.plan.reported().map(|(c, _)| c)
     }
 
@@ -80,7 +81,7 @@ impl Planned {
         let failed = self
             .plan
             .reported()
-            .filter_map(|(c, p)| Some((c.clone(), p.error_reason(), p.error()?)));
+            .filter_map(|(c, p)| Some((c.to_string(), p.error_reason(), p.error()?)));
         let halted = (self.plan.rollout.as_ref())
             .filter(|r| r.state == "Halted")
             .map(|r| ("RolloutHalted", r.message.clone()));
@@ -99,7 +100,7 @@ struct Board {
     plans: HashMap<AppKey, Arc<Planned>>,
     /// cluster → apps whose plan names it, so that a change of one cluster finds them
     /// without scanning every plan. One shared key per app.
-    apps_on: HashMap<String, HashSet<Arc<AppKey>>>,
+    apps_on: HashMap<ClusterName, HashSet<Arc<AppKey>>>,
     reports: HashMap<AppKey, Arc<Reports>>,
     /// Clusters whose MemberCluster is Ready.
     reachable: Arc<HashSet<String>>,
@@ -168,7 +169,7 @@ impl Board {
                 .replace(shared.clone());
         }
         if let Some(previous) = self.plans.insert(key.clone(), Arc::new(plan)) {
-            let now: HashSet<&String> = self.plans[key].clusters().collect();
+            let now: HashSet<&ClusterName> = self.plans[key].clusters().collect();
             let left = previous.clusters().filter(|c| !now.contains(c));
             remove_from(&mut self.apps_on, left, key);
         }
@@ -187,8 +188,8 @@ impl Board {
 }
 
 fn remove_from<'a>(
-    apps_on: &mut HashMap<String, HashSet<Arc<AppKey>>>,
-    clusters: impl Iterator<Item = &'a String>,
+    apps_on: &mut HashMap<ClusterName, HashSet<Arc<AppKey>>>,
+    clusters: impl Iterator<Item = &'a ClusterName>,
     key: &AppKey,
 ) {
     for cluster in clusters {

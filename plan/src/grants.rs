@@ -21,7 +21,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::ResourceExt;
 use kube::core::{Selector, SelectorExt};
 
-use crate::placement::{Labels, Members, SelectorError, parse_selector};
+use crate::placement::{ClusterName, Labels, Members, SelectorError, parse_selector};
 
 /// One ClusterGrant as planning reads it.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,7 +73,7 @@ pub enum Granted {
     /// No grant, and none required: every registered cluster.
     Every,
     /// These registered clusters (possibly none).
-    Only(BTreeSet<String>),
+    Only(BTreeSet<ClusterName>),
 }
 
 impl Granted {
@@ -216,13 +216,13 @@ mod tests {
         .into_iter()
         .map(|(n, l)| {
             let labels = serde_json::from_value(l).unwrap();
-            (n.to_owned(), Member::with_labels(labels))
+            (n.into(), Member::with_labels(labels))
         })
         .collect()
     }
 
     fn only(names: &[&str]) -> Result<Granted, NothingGranted> {
-        Ok(Granted::Only(names.iter().map(|n| n.to_string()).collect()))
+        Ok(Granted::Only(names.iter().map(|n| (*n).into()).collect()))
     }
 
     /// Ugly inputs first: grants that grant nothing, names nobody registered, invalid
@@ -363,8 +363,8 @@ mod tests {
                 for (i, l) in labels.iter().enumerate() {
                     objects.push(grant("t", &format!("l{i}"), json!({"clusterSelector": {"matchLabels": {"region": l}}})));
                 }
-                let want: BTreeSet<String> = m.iter()
-                    .filter(|(n, mm)| names.contains(&n.as_str()) || labels.iter().any(|l| mm.labels.get("region") == Some(&l.to_string())))
+                let want: BTreeSet<ClusterName> = m.iter()
+                    .filter(|(n, mm)| names.contains(&&***n) || labels.iter().any(|l| mm.labels.get("region") == Some(&l.to_string())))
                     .map(|(n, _)| n.clone())
                     .collect();
                 let got = Grants::new(true, &objects).granted("t", &m);

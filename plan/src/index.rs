@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 pub use flotilla_crds::AppKey;
 
+use crate::placement::ClusterName;
 use crate::render::RenderedMyApp;
 
 /// What one cluster should have for one app.
@@ -74,11 +75,13 @@ impl DesiredPairs {
 
     fn insert(&mut self, cluster: &str, key: &Arc<AppKey>, want: Desired) -> Option<Desired> {
         self.applied += usize::from(is_apply(&want));
-        let previous = self
-            .by_cluster
-            .entry(cluster.to_owned())
-            .or_default()
-            .insert(key.clone(), want);
+        // Looked up before it is entered: a cluster's map exists for all but its first
+        // app, and `entry` would copy the name every time.
+        let apps = match self.by_cluster.get_mut(cluster) {
+            Some(apps) => apps,
+            None => self.by_cluster.entry(cluster.to_owned()).or_default(),
+        };
+        let previous = apps.insert(key.clone(), want);
         self.applied -= usize::from(previous.as_ref().is_some_and(is_apply));
         previous
     }
@@ -167,7 +170,7 @@ pub struct Index {
     /// cluster → app → desired state.
     desired: DesiredPairs,
     /// app → clusters with an entry in `desired`, to find them without a scan.
-    placed: HashMap<AppKey, BTreeSet<String>>,
+    placed: HashMap<AppKey, BTreeSet<ClusterName>>,
     /// app → the newest generation planned; older plans are ignored.
     generation: HashMap<AppKey, i64>,
     /// cluster → apps its agent manages, for clusters whose agent said Hello since it
@@ -212,7 +215,7 @@ impl Index {
         &mut self,
         key: &AppKey,
         generation: Option<i64>,
-        plan: BTreeMap<String, Desired>,
+        plan: BTreeMap<ClusterName, Desired>,
     ) -> Vec<Push> {
         if self.deleting.contains_key(key) {
             return Vec::new();
@@ -229,14 +232,14 @@ impl Index {
         let departed = self.departed.entry(key.clone()).or_default();
         for cluster in before.iter().filter(|c| !plan.contains_key(*c)) {
             self.desired.remove(cluster, key);
-            departed.insert(cluster.clone());
+            departed.insert(cluster.to_string());
             pushes.push((
-                cluster.clone(),
+                cluster.to_string(),
                 shared.clone(),
                 Change::Delete { orphan: false },
             ));
         }
-        departed.retain(|c| !plan.contains_key(c));
+        departed.retain(|c| !plan.contains_key(c.as_str()));
         if departed.is_empty() {
             self.departed.remove(key);
         }
@@ -247,7 +250,7 @@ impl Index {
                     matches!(&previous, Some(Desired::Apply(p)) if p.hash == rendered.hash);
                 if !unchanged {
                     pushes.push((
-                        cluster.clone(),
+                        cluster.to_string(),
                         shared.clone(),
                         Change::Apply(rendered.clone()),
                     ));
@@ -271,7 +274,8 @@ impl Index {
         also: &[String],
         now: Instant,
     ) -> Vec<Push> {
-        let mut trusted: BTreeSet<String> = self.placed.remove(key).unwrap_or_default();
+        let placed = self.placed.remove(key).unwrap_or_default();
+        let mut trusted: BTreeSet<String> = placed.iter().map(|c| c.to_string()).collect();
         trusted.extend(self.departed.remove(key).unwrap_or_default());
         trusted.extend(also.iter().cloned());
         let mut candidates = trusted.clone();
@@ -440,7 +444,7 @@ impl Index {
             !clusters.is_empty()
         });
         for clusters in self.placed.values_mut() {
-            clusters.retain(|c| registered.contains(c));
+            clusters.retain(|c| registered.contains(&**c));
         }
         self.departed.retain(|_, clusters| {
             clusters.retain(|c| registered.contains(c));
@@ -690,10 +694,10 @@ mod tests {
         AppKey::new("default", n)
     }
 
-    fn plan(entries: &[(&str, Desired)]) -> BTreeMap<String, Desired> {
+    fn plan(entries: &[(&str, Desired)]) -> BTreeMap<ClusterName, Desired> {
         entries
             .iter()
-            .map(|(c, d)| ((*c).to_owned(), d.clone()))
+            .map(|(c, d)| ((*c).into(), d.clone()))
             .collect()
     }
 
@@ -1098,7 +1102,7 @@ mod tests {
                             4 => Desired::Release,
                             h => rendered(&format!("h{h}")),
                         };
-                        (cluster(c), want)
+                        (cluster(c).into(), want)
                     })
                     .collect();
                 ix.set_app(&app(a), generation, plan);

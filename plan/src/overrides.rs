@@ -27,7 +27,7 @@ use jsonptr::Pointer;
 use kube::core::{Selector, SelectorExt};
 use serde_json::{Value, json};
 
-use crate::placement::{Labels, parse_selector};
+use crate::placement::{ClusterName, Labels, parse_selector};
 
 /// The parts of a template an override may change: the spec and the labels and
 /// annotations that are merged onto the MyApp. Name and namespace are not the user's to
@@ -237,13 +237,13 @@ impl<'a> Targets<'a> {
     /// change nothing, which the user is warned of.
     pub fn unused<'p>(
         &self,
-        placed: &'p [String],
+        placed: &'p [ClusterName],
         labels: impl Fn(&str) -> &'p Labels,
     ) -> Vec<String> {
         let mut warnings = Vec::new();
         for entry in self.all {
             if let (Some(name), None) = (&entry.cluster_name, &entry.cluster_selector)
-                && placed.binary_search(name).is_err()
+                && placed.binary_search_by(|c| (**c).cmp(name)).is_err()
             {
                 warnings.push(format!(
                     "overrides for cluster {name} are ignored: it is not placed"
@@ -702,7 +702,7 @@ mod tests {
             assert_eq!(fields(&changes), ["spec.overrides[0].clusterOverrides[0]"]);
         }
         let eu = labels(&EU);
-        let unused = targets.unused(&["c".to_owned()], |_| &eu);
+        let unused = targets.unused(&["c".into()], |_| &eu);
         assert_eq!(
             unused,
             [
@@ -740,7 +740,7 @@ mod tests {
         assert_eq!(d["spec"]["replicas"], 2);
         assert!(targets.for_cluster("e", &Labels::new()).unwrap().is_empty());
         let eu = labels(&EU);
-        let unused = targets.unused(&["c".to_owned()], |_| &eu);
+        let unused = targets.unused(&["c".into()], |_| &eu);
         assert_eq!(
             unused,
             ["overrides for cluster d are ignored: it is not placed"]

@@ -9,7 +9,8 @@
 //! its MemberCluster ([`Member::from_cluster`], [`registered_of`]): labels, cordon,
 //! readiness and the capacity its agent last reported.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_crds::MemberCluster;
@@ -61,30 +62,64 @@ impl Member {
     }
 }
 
+/// A registered cluster's name, shared: a big hub holds one per (cluster, app) in its
+/// plans, schedules and index, and each of them is a handle to the copy in [`Members`]
+/// (16 bytes, not a string of its own).
+pub type ClusterName = Arc<str>;
+
 /// Registered member clusters by name.
-pub type Members = BTreeMap<String, Member>;
+pub type Members = BTreeMap<ClusterName, Member>;
 
 /// The registered clusters as planning reads them (labels, cordon, readiness, capacity),
-/// leaving out those being deleted; readiness is judged now. The hub reads its
-/// MemberCluster store through this; the e2e convergence checker, the host's list.
+/// leaving out those being deleted; readiness is judged now. The e2e convergence checker
+/// reads the host's list through this; the hub, which plans in batches, through
+/// [`ClusterNames::registered_of`].
 pub fn registered_of<'a>(clusters: impl IntoIterator<Item = &'a MemberCluster>) -> Members {
-    let now = Timestamp::now();
-    clusters
-        .into_iter()
-        .filter(|m| m.metadata.deletion_timestamp.is_none())
-        .map(|m| (m.name_any(), Member::from_cluster(m, now)))
-        .collect()
+    ClusterNames::default().registered_of(clusters)
+}
+
+/// The clusters' names, kept from one reading of the registered clusters to the next, so
+/// that plans made in different batches share one copy of each name. It holds the names
+/// of the last reading only: a cluster that left is forgotten at the next one.
+#[derive(Debug, Default)]
+pub struct ClusterNames(HashSet<ClusterName>);
+
+impl ClusterNames {
+    /// [`registered_of`], with each name the copy an earlier reading made when it has one.
+    pub fn registered_of<'a>(
+        &mut self,
+        clusters: impl IntoIterator<Item = &'a MemberCluster>,
+    ) -> Members {
+        let now = Timestamp::now();
+        let mut read = HashSet::with_capacity(self.0.len());
+        let members = clusters
+            .into_iter()
+            .filter(|m| m.metadata.deletion_timestamp.is_none())
+            .map(|m| {
+                let name = m.name_any();
+                let name = self
+                    .0
+                    .get(name.as_str())
+                    .cloned()
+                    .unwrap_or_else(|| name.into());
+                read.insert(name.clone());
+                (name, Member::from_cluster(m, now))
+            })
+            .collect();
+        self.0 = read;
+        members
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Decision {
     /// Registered clusters that get the MyApp, sorted.
-    pub clusters: Vec<String>,
+    pub clusters: Vec<ClusterName>,
     /// Clusters named in `placement.clusters` that are not registered, sorted.
-    pub unknown: Vec<String>,
+    pub unknown: Vec<ClusterName>,
     /// Registered clusters placement chooses but the app's namespace is not granted
     /// (filled in by [`crate::plan()`] from [`crate::grants`]), sorted.
-    pub not_granted: Vec<String>,
+    pub not_granted: Vec<ClusterName>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -98,12 +133,14 @@ pub struct SelectorError {
 pub fn place(placement: &Placement, members: &Members) -> Result<Decision, SelectorError> {
     if let Some(named) = &placement.clusters {
         let named: BTreeSet<&str> = named.iter().map(|c| c.name.as_str()).collect();
-        let (clusters, unknown) = named.into_iter().partition(|n| members.contains_key(*n));
-        return Ok(Decision {
-            clusters: owned(clusters),
-            unknown: owned(unknown),
-            not_granted: vec![],
-        });
+        let mut decision = Decision::default();
+        for name in named {
+            match members.get_key_value(name) {
+                Some((registered, _)) => decision.clusters.push(registered.clone()),
+                None => decision.unknown.push(name.into()),
+            }
+        }
+        return Ok(decision);
     }
     let Some(selector) = &placement.cluster_selector else {
         return Ok(Decision::default());
@@ -119,10 +156,6 @@ pub fn place(placement: &Placement, members: &Members) -> Result<Decision, Selec
         unknown: vec![],
         not_granted: vec![],
     })
-}
-
-fn owned(names: Vec<&str>) -> Vec<String> {
-    names.into_iter().map(str::to_owned).collect()
 }
 
 /// Validates the selector as the apiserver does for Deployments (kube's own conversion
@@ -228,21 +261,25 @@ mod tests {
     }
 
     fn clusters(p: &Placement) -> Vec<String> {
-        place(p, &members()).unwrap().clusters
+        names(&place(p, &members()).unwrap().clusters)
+    }
+
+    fn names(clusters: &[ClusterName]) -> Vec<String> {
+        clusters.iter().map(|c| c.to_string()).collect()
     }
 
     #[test]
     fn explicit_list_is_sorted_and_deduplicated() {
         let d = place(&named(&["cluster2", "cluster1", "cluster2"]), &members()).unwrap();
-        assert_eq!(d.clusters, ["cluster1", "cluster2"]);
+        assert_eq!(names(&d.clusters), ["cluster1", "cluster2"]);
         assert!(d.unknown.is_empty());
     }
 
     #[test]
     fn unregistered_named_clusters_are_reported() {
         let d = place(&named(&["cluster1", "ghost", "ghost", "alpha"]), &members()).unwrap();
-        assert_eq!(d.clusters, ["cluster1"]);
-        assert_eq!(d.unknown, ["alpha", "ghost"]);
+        assert_eq!(names(&d.clusters), ["cluster1"]);
+        assert_eq!(names(&d.unknown), ["alpha", "ghost"]);
     }
 
     #[test]
@@ -372,9 +409,33 @@ mod tests {
         gone.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
         let c1 = MemberCluster::new("c1", Default::default());
         assert_eq!(
-            registered_of([&gone, &c1]).keys().collect::<Vec<_>>(),
+            names(&registered_of([&gone, &c1]).into_keys().collect::<Vec<_>>()),
             ["c1"]
         );
+    }
+
+    /// The hub plans in batches, each with a new reading of the clusters: every plan of a
+    /// cluster must hold the one copy of its name, and a cluster that left is forgotten.
+    #[test]
+    fn readings_share_each_name_and_forget_clusters_that_left() {
+        let (c1, c2) = (
+            MemberCluster::new("c1", Default::default()),
+            MemberCluster::new("c2", Default::default()),
+        );
+        let mut kept = ClusterNames::default();
+        let first = kept.registered_of([&c1, &c2]);
+        let second = kept.registered_of([&c1, &c2]);
+        for (a, b) in first.keys().zip(second.keys()) {
+            assert!(Arc::ptr_eq(a, b), "{a} is copied, not shared");
+        }
+        let without = kept.registered_of([&c1]);
+        assert!(Arc::ptr_eq(
+            first.get_key_value("c1").unwrap().0,
+            without.get_key_value("c1").unwrap().0
+        ));
+        assert_eq!(kept.0.len(), 1, "c2 left: its name is not kept");
+        let back = kept.registered_of([&c1, &c2]);
+        assert_eq!(names(&back.into_keys().collect::<Vec<_>>()), ["c1", "c2"]);
     }
 
     #[test]

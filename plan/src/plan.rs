@@ -19,7 +19,7 @@ use crate::admission::{Admission, Refusal};
 use crate::grants::{Granted, Grants, NothingGranted};
 use crate::index::Desired;
 use crate::overrides::{Located, Targets};
-use crate::placement::{self, Decision, Labels, Members, SelectorError};
+use crate::placement::{self, ClusterName, Decision, Labels, Members, SelectorError};
 use crate::render::{RenderError, RenderedMyApp, Share, Template};
 use crate::schedule::{self, Assignment, Schedule, ScheduleError};
 
@@ -169,7 +169,7 @@ pub struct AppPlan {
     pub schedule: Option<Schedule>,
     /// Placed clusters and named unknown ones (every registered cluster when the app
     /// cannot be planned), sorted by name.
-    pub clusters: BTreeMap<String, ClusterPlan>,
+    pub clusters: BTreeMap<ClusterName, ClusterPlan>,
     /// Things the user wrote that have no effect, e.g. overrides for unplaced clusters.
     pub warnings: Vec<String>,
     /// Where a progressive rollout stands ([`crate::rollout::gate`]); `None` for type
@@ -179,7 +179,7 @@ pub struct AppPlan {
 
 impl AppPlan {
     /// The index's view: what each cluster should have.
-    pub fn desired(&self) -> BTreeMap<String, Desired> {
+    pub fn desired(&self) -> BTreeMap<ClusterName, Desired> {
         self.clusters
             .iter()
             .filter_map(|(c, p)| Some((c.clone(), p.desired()?)))
@@ -187,7 +187,7 @@ impl AppPlan {
     }
 
     /// The clusters status reports on ([`ClusterPlan::is_reported`]).
-    pub fn reported(&self) -> impl Iterator<Item = (&String, &ClusterPlan)> {
+    pub fn reported(&self) -> impl Iterator<Item = (&ClusterName, &ClusterPlan)> {
         self.clusters.iter().filter(|(_, p)| p.is_reported())
     }
 }
@@ -334,7 +334,7 @@ fn placed(
 /// under autoscaling its minimum and its bounds.
 fn share_of(
     divided: bool,
-    bounds: &BTreeMap<String, Bounds>,
+    bounds: &BTreeMap<ClusterName, Bounds>,
     cluster: &str,
     assigned: &Assignment,
 ) -> Share {
@@ -404,7 +404,11 @@ impl<'a> ClassKey<'a> {
 
 static NO_LABELS: Labels = Labels::new();
 
-fn unplaced_overrides(targets: &Targets<'_>, members: &Members, placed: &[String]) -> Vec<String> {
+fn unplaced_overrides(
+    targets: &Targets<'_>,
+    members: &Members,
+    placed: &[ClusterName],
+) -> Vec<String> {
     targets.unused(placed, |c| members.get(c).map_or(&NO_LABELS, |m| &m.labels))
 }
 
@@ -429,7 +433,7 @@ mod tests {
     fn members(names: &[&str]) -> Members {
         names
             .iter()
-            .map(|n| ((*n).to_owned(), Default::default()))
+            .map(|n| ((*n).into(), Default::default()))
             .collect()
     }
 
@@ -445,12 +449,7 @@ mod tests {
     fn replicas(r: &AppPlan) -> BTreeMap<&str, Value> {
         r.clusters
             .iter()
-            .filter_map(|(c, m)| {
-                Some((
-                    c.as_str(),
-                    m.rendered()?.to_value()["spec"]["replicas"].clone(),
-                ))
-            })
+            .filter_map(|(c, m)| Some((&**c, m.rendered()?.to_value()["spec"]["replicas"].clone())))
             .collect()
     }
 
@@ -621,7 +620,10 @@ mod tests {
             "  - clusterName: c9\n    clusterOverrides:\n    - {path: /spec/replicas, value: 1}\n",
         );
         let r = render(&a, &members(&["c1", "c2", "c9"])).unwrap();
-        assert_eq!(r.clusters.keys().collect::<Vec<_>>(), ["c1", "c2"]);
+        assert_eq!(
+            r.clusters.keys().map(|c| &**c).collect::<Vec<_>>(),
+            ["c1", "c2"]
+        );
         assert_eq!(
             r.warnings,
             ["overrides for cluster c9 are ignored: it is not placed"]
@@ -1123,7 +1125,7 @@ mod tests {
             .iter()
             .map(|(name, labels)| {
                 let labels = labels.iter().map(|(k, v)| ((*k).into(), (*v).into()));
-                ((*name).to_owned(), Member::with_labels(labels.collect()))
+                ((*name).into(), Member::with_labels(labels.collect()))
             })
             .collect()
     }
@@ -1597,7 +1599,7 @@ mod tests {
                         not_ready_for: not_ready_for.map(std::time::Duration::from_secs),
                         ..Default::default()
                     };
-                    members.insert((*name).to_owned(), member);
+                    members.insert((*name).into(), member);
                     previous.push(json!({"name": name, "replicas": replicas, "readyReplicas": ready_replicas}));
                 }
                 (members, json!({"observedGeneration": 1, "clusters": previous}))

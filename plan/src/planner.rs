@@ -43,7 +43,7 @@ use kube::core::SelectorExt;
 use crate::admission::Admission;
 use crate::grants::Grants;
 use crate::index::{AppKey, Desired};
-use crate::placement::{Labels, Members};
+use crate::placement::{ClusterName, Labels, Members};
 use crate::plan::{AppPlan, plan};
 use crate::rollout::{self, Observed};
 
@@ -96,7 +96,7 @@ pub trait Effects {
         &mut self,
         key: &AppKey,
         generation: Option<i64>,
-        desired: BTreeMap<String, Desired>,
+        desired: BTreeMap<ClusterName, Desired>,
     ) -> bool;
     /// Deletes the app where it is or may be; returns the clusters still to confirm.
     fn delete_app(&mut self, key: &AppKey, orphan: bool, placed: &[String]) -> Vec<String>;
@@ -140,7 +140,7 @@ fn by_capacity(app: &FederatedMyApp) -> bool {
 }
 
 /// One cluster's [`shape`]: its name, labels, cordon, and NotReady or not.
-pub type ShapeEntry = (String, Labels, bool, bool);
+pub type ShapeEntry = (ClusterName, Labels, bool, bool);
 
 /// What placement and scheduling read of each registered cluster besides its capacity.
 /// Readiness counts as ready or not: how long a cluster has been NotReady moves with the
@@ -179,7 +179,7 @@ impl<'a> Moved<'a> {
 /// The clusters whose shape differs between `before` and `after` (both in name order).
 fn moved<'a>(before: &'a [ShapeEntry], after: &'a [ShapeEntry]) -> Vec<Moved<'a>> {
     let index = |shape: &'a [ShapeEntry]| -> HashMap<&'a str, &'a ShapeEntry> {
-        shape.iter().map(|e| (e.0.as_str(), e)).collect()
+        shape.iter().map(|e| (&*e.0, e)).collect()
     };
     let (was, is) = (index(before), index(after));
     let names: BTreeSet<&str> = was.keys().chain(is.keys()).copied().collect();
@@ -378,7 +378,7 @@ impl Planner {
                 planned.insert(key);
             }
         }
-        fx.planned_for(members.keys().cloned().collect());
+        fx.planned_for(members.keys().map(|c| c.to_string()).collect());
         self.planned_for = Some(PlannedFor {
             shape,
             capacity: capacity(members),
@@ -445,7 +445,7 @@ impl Planner {
         let recheck = if app.metadata.deletion_timestamp.is_some() {
             // Every registered cluster the spec places it on must confirm, even one this
             // hub never saw hold it (after a restart, say).
-            let placed: Vec<String> = plan.desired().into_keys().collect();
+            let placed: Vec<String> = plan.desired().into_keys().map(|c| c.to_string()).collect();
             let waiting = fx.delete_app(&key, orphans(app), &placed);
             let recheck = (!waiting.is_empty()).then_some(DELETION_RECHECK);
             fx.publish(&key, plan, Some(waiting));
@@ -522,13 +522,18 @@ mod tests {
     /// The last desired set and rollout state, and what the agents report.
     #[derive(Default)]
     struct Fx {
-        desired: BTreeMap<String, Desired>,
+        desired: BTreeMap<ClusterName, Desired>,
         state: Option<String>,
         observed: Observed,
     }
 
     impl Effects for Fx {
-        fn set_app(&mut self, _: &AppKey, _: Option<i64>, d: BTreeMap<String, Desired>) -> bool {
+        fn set_app(
+            &mut self,
+            _: &AppKey,
+            _: Option<i64>,
+            d: BTreeMap<ClusterName, Desired>,
+        ) -> bool {
             self.desired = d;
             true
         }
@@ -562,7 +567,7 @@ mod tests {
         let held: FederatedMyApp =
             serde_yaml::from_str(&yaml(", finalizers: [core.kubefed.io/flotilla-hub]")).unwrap();
         let key = key_of(&bare);
-        let members: Members = [("c1".to_owned(), Default::default())].into();
+        let members: Members = [("c1".into(), Default::default())].into();
         let (mut planner, mut fx, t0) = (Planner::default(), Fx::default(), Instant::now());
         let mut plan_with = |app: &FederatedMyApp, fx: &mut Fx| {
             let apps = One(Arc::new(app.clone()));
@@ -576,7 +581,7 @@ mod tests {
         };
         // Kept, not sent: whatever c1 may hold stays, and nothing reaches it.
         plan_with(&bare, &mut fx);
-        assert_eq!(fx.desired, [("c1".to_owned(), Desired::Keep)].into());
+        assert_eq!(fx.desired, [("c1".into(), Desired::Keep)].into());
         plan_with(&held, &mut fx);
         assert!(matches!(fx.desired["c1"], Desired::Apply(_)));
         plan_with(&bare, &mut fx);
@@ -595,9 +600,7 @@ mod tests {
         .unwrap();
         let key = key_of(&app);
         let apps = One(Arc::new(app));
-        let members: Members = ["c1", "c2"]
-            .map(|c| (c.to_owned(), Default::default()))
-            .into();
+        let members: Members = ["c1", "c2"].map(|c| (c.into(), Default::default())).into();
         let (mut planner, mut fx, t0) = (Planner::default(), Fx::default(), Instant::now());
         planner.handle(
             Trigger::Applied(key.clone()),
@@ -652,12 +655,17 @@ mod tests {
     /// Many apps; their latest desired state and plan, by key.
     #[derive(Default)]
     struct Recorded {
-        desired: BTreeMap<AppKey, BTreeMap<String, Desired>>,
+        desired: BTreeMap<AppKey, BTreeMap<ClusterName, Desired>>,
         plans: BTreeMap<AppKey, AppPlan>,
     }
 
     impl Effects for Recorded {
-        fn set_app(&mut self, key: &AppKey, _: Option<i64>, d: BTreeMap<String, Desired>) -> bool {
+        fn set_app(
+            &mut self,
+            key: &AppKey,
+            _: Option<i64>,
+            d: BTreeMap<ClusterName, Desired>,
+        ) -> bool {
             self.desired.insert(key.clone(), d);
             true
         }
@@ -707,7 +715,7 @@ mod tests {
         let name = format!("c{n}");
         match change {
             None => {
-                members.remove(&name);
+                members.remove(name.as_str());
             }
             Some((zone, cordoned, not_ready)) => {
                 let zone = ["a", "b", "c"][zone as usize % 3];
@@ -717,7 +725,7 @@ mod tests {
                     not_ready_for: not_ready.then_some(Duration::ZERO),
                     capacity: None,
                 };
-                members.insert(name, member);
+                members.insert(name.into(), member);
             }
         }
     }

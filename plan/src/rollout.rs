@@ -255,7 +255,7 @@ pub fn gate(
     let targets: BTreeMap<String, String> = (plan.clusters.iter())
         .filter_map(|(c, p)| {
             let hash = &p.rendered()?.hash;
-            Some((c.clone(), revision_of(hash).unwrap_or(hash).to_owned()))
+            Some((c.to_string(), revision_of(hash).unwrap_or(hash).to_owned()))
         })
         .collect();
     let placed: Vec<String> = targets.keys().cloned().collect();
@@ -274,7 +274,8 @@ pub fn gate(
     walk.held
         .retain(|c| !known_good.contains(targets[c].as_str()));
     for c in &walk.held {
-        plan.clusters.insert(c.clone(), HELD);
+        // Each is a key already: the map keeps its shared name, not this copy.
+        plan.clusters.insert(c.as_str().into(), HELD);
     }
     let view = View {
         waves: &waves,
@@ -316,9 +317,7 @@ pub fn resize_held(
     (stable.spec.template, stable.spec.overrides) = (template, last.overrides.clone());
     let stable = plan_stable(&stable);
     for (cluster, planned) in plan.clusters.iter_mut().filter(|(_, p)| held(p)) {
-        let runs = observed
-            .get(cluster.as_str())
-            .and_then(|s| revision_of(&s.hash));
+        let runs = observed.get(&**cluster).and_then(|s| revision_of(&s.hash));
         let Some(ClusterPlan::Apply(render)) = stable.clusters.get(cluster) else {
             continue;
         };

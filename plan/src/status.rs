@@ -340,9 +340,9 @@ enum Standing {
 fn tally(inputs: &Inputs<'_>, message_max: usize) -> Tally {
     let mut tally = Tally::default();
     for (name, planned) in inputs.plan.reported() {
-        let report = inputs.reports.and_then(|r| r.get(name.as_str()));
+        let report = inputs.reports.and_then(|r| r.get(&**name));
         let mut entry = ClusterStatus {
-            name: name.clone(),
+            name: name.to_string(),
             ..Default::default()
         };
         if let Some(r) = report.filter(|r| r.exists) {
@@ -359,7 +359,7 @@ fn tally(inputs: &Inputs<'_>, message_max: usize) -> Tally {
             }
             ClusterPlan::Apply(rendered) => {
                 tally.placed += 1;
-                let reachable = inputs.reachable.contains(name);
+                let reachable = inputs.reachable.contains(&**name);
                 standing(&rendered.hash, reachable, report)
             }
             ClusterPlan::Keep(KeepReason::NotGranted { .. }) => {
@@ -370,7 +370,7 @@ fn tally(inputs: &Inputs<'_>, message_max: usize) -> Tally {
         let urgency = match standing {
             Standing::Behind(reason, message) => {
                 entry.message = cut(message, message_max);
-                let listed = (name.clone(), reason, entry.message.clone());
+                let listed = (name.to_string(), reason, entry.message.clone());
                 tally.not_propagated.push(listed);
                 Urgency::Behind(reason)
             }
@@ -1192,7 +1192,7 @@ mod tests {
                 if !matches!(c, Case::Disconnected) {
                     reachable.insert(name.clone());
                 }
-                entries.push((name, planned));
+                entries.push((name.into(), planned));
             }
             let mut p = AppPlan {
                 generation: Some(4),

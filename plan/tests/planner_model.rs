@@ -28,7 +28,7 @@ use flotilla_crds::{ClusterGrant, FederatedMyApp};
 use flotilla_plan::admission::Admission;
 use flotilla_plan::grants::Grants;
 use flotilla_plan::index::{AppKey, Change, Desired, Held, Index, Push, Scope};
-use flotilla_plan::placement::{Member, Members};
+use flotilla_plan::placement::{ClusterName, Member, Members};
 use flotilla_plan::planner::{Apps, Effects, Planner, Trigger};
 use flotilla_plan::rollout::{self, Observed, Seen};
 use flotilla_plan::{AppPlan, plan};
@@ -192,7 +192,7 @@ impl Host {
                     not_ready_for: since.map(|s| now - s),
                     ..Member::with_labels(labels)
                 };
-                (name.clone(), member)
+                (name.as_str().into(), member)
             })
             .collect()
     }
@@ -255,7 +255,7 @@ impl Effects for Hub {
         &mut self,
         key: &AppKey,
         generation: Option<i64>,
-        desired: BTreeMap<String, Desired>,
+        desired: BTreeMap<ClusterName, Desired>,
     ) -> bool {
         let taken = !self.index.is_deleting(key);
         let pushes = self.index.set_app(key, generation, desired);
@@ -290,7 +290,7 @@ impl Effects for Hub {
 
     fn publish(&mut self, key: &AppKey, plan: AppPlan, deleting_on: Option<Vec<String>>) {
         let wanted = match deleting_on {
-            None => plan.desired().into_keys().collect(),
+            None => plan.desired().into_keys().map(|c| c.to_string()).collect(),
             Some(_) => BTreeSet::new(),
         };
         self.wanted.insert(key.clone(), wanted);
@@ -743,7 +743,9 @@ impl Model {
             let observed = self.hub.observed(key);
             rollout::gate(object, &mut planned, &members, &observed, self.now);
             for (c, d) in planned.desired() {
-                want.entry(c).or_default().insert(key.clone(), d);
+                want.entry(c.to_string())
+                    .or_default()
+                    .insert(key.clone(), d);
             }
         }
         for c in self.host.registered.keys() {

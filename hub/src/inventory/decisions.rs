@@ -60,13 +60,13 @@ pub fn chosen(plan: &AppPlan) -> Vec<(String, String)> {
     plan.clusters
         .iter()
         .filter_map(|(cluster, p)| match p {
-            ClusterPlan::Apply(_) => Some((cluster.clone(), why(cluster))),
+            ClusterPlan::Apply(_) => Some((cluster.to_string(), why(cluster))),
             ClusterPlan::Keep(KeepReason::RenderFailed(_)) => Some((
-                cluster.clone(),
+                cluster.to_string(),
                 format!("{}; its MyApp cannot be rendered", why(cluster)),
             )),
             ClusterPlan::Keep(KeepReason::Held { .. }) => Some((
-                cluster.clone(),
+                cluster.to_string(),
                 format!("{}; the rollout has not reached it yet", why(cluster)),
             )),
             ClusterPlan::Keep(

@@ -13,7 +13,7 @@ fn rendered(hash: &str) -> ClusterPlan {
 }
 
 fn plan(entries: &[(&str, ClusterPlan)]) -> Planned {
-    let clusters = entries.iter().map(|(c, p)| (c.to_string(), p.clone()));
+    let clusters = entries.iter().map(|(c, p)| ((*c).into(), p.clone()));
     let plan = AppPlan {
         clusters: clusters.collect(),
         ..Default::default()
@@ -147,7 +147,7 @@ fn the_board_knows_the_apps_on_each_cluster_as_its_plans_name_them() {
             let scanned: HashSet<&AppKey> = b
                 .plans
                 .iter()
-                .filter(|(_, p)| p.clusters().any(|c| c == cluster))
+                .filter(|(_, p)| p.clusters().any(|c| **c == *cluster))
                 .map(|(k, _)| k)
                 .collect();
             let indexed: HashSet<&AppKey> = b

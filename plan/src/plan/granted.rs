@@ -34,7 +34,7 @@ fn members() -> Members {
     ["c1", "c2", "c3"]
         .map(|c| {
             let labels = [("name".to_owned(), c.to_owned())].into();
-            (c.to_owned(), Member::with_labels(labels))
+            (c.into(), Member::with_labels(labels))
         })
         .into()
 }
@@ -63,7 +63,7 @@ fn a_selector_places_only_on_granted_clusters_and_keeps_the_rest_unreported() {
         assert_eq!(p.clusters[c], not_granted(false), "{c}");
         assert_eq!(p.desired()[c], Desired::Keep, "{c} keeps what it runs");
     }
-    let reported: Vec<&String> = p.reported().map(|(c, _)| c).collect();
+    let reported: Vec<&str> = p.reported().map(|(c, _)| &**c).collect();
     assert_eq!(
         reported,
         ["c1"],
@@ -130,7 +130,7 @@ fn replicas_are_divided_among_granted_clusters_only() {
     let p = planned(&app(weighted, 1), &two);
     let schedule = p.schedule.as_ref().expect("a schedule");
     let replicas: BTreeMap<&str, u32> = (schedule.clusters.iter())
-        .map(|(c, a)| (c.as_str(), a.replicas))
+        .map(|(c, a)| (&**c, a.replicas))
         .collect();
     assert_eq!(replicas, [("c1", 3), ("c2", 3)].into());
     assert_eq!(p.clusters["c3"], not_granted(false));
@@ -221,7 +221,7 @@ fn a_withdrawn_grant_pushes_no_delete_and_the_apps_deletion_deletes_everywhere()
                 "{c} keeps it desired"
             );
         }
-        let placed: Vec<String> = gone.desired().into_keys().collect();
+        let placed: Vec<String> = gone.desired().into_keys().map(|c| c.to_string()).collect();
         let pushes = index.delete_app(&key, false, &placed, std::time::Instant::now());
         let mut deleted: Vec<&str> = (pushes.iter())
             .filter(|(_, _, c)| *c == Change::Delete { orphan: false })

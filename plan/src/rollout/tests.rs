@@ -40,7 +40,7 @@ fn members(clusters: &[(&str, &str)]) -> Members {
         .iter()
         .map(|(n, w)| {
             let labels = [("wave".to_owned(), (*w).to_owned())].into();
-            ((*n).to_owned(), Member::with_labels(labels))
+            ((*n).into(), Member::with_labels(labels))
         })
         .collect()
 }
@@ -84,7 +84,7 @@ fn gated(
 fn held(p: &AppPlan) -> Vec<&str> {
     (p.clusters.iter())
         .filter(|(_, c)| matches!(c, ClusterPlan::Keep(KeepReason::Held { .. })))
-        .map(|(n, _)| n.as_str())
+        .map(|(n, _)| &**n)
         .collect()
 }
 
@@ -782,7 +782,7 @@ proptest! {
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let mut m = plain(&refs);
         for (c, a) in names.iter().zip(&away) {
-            if *a { m.get_mut(c).unwrap().not_ready_for = Some(secs(1)); }
+            if *a { m.get_mut(c.as_str()).unwrap().not_ready_for = Some(secs(1)); }
         }
         let rollout = format!("{{type: Progressive, maxConcurrency: {max}, minSuccessSeconds: {SOAK}, progressDeadlineSeconds: {DEADLINE}, paused: {paused}}}");
         let mut a = app(&refs, &rollout, "nginx:2", 2);
@@ -813,7 +813,7 @@ proptest! {
                 prop_assert_eq!(planned, &HELD);
                 prop_assert!(ungated.clusters[c].rendered().is_some());
                 let target = revision_of(&ungated.clusters[c].rendered().unwrap().hash);
-                let runs = observed.get(c.as_str()).and_then(|s| revision_of(&s.hash));
+                let runs = observed.get(&**c).and_then(|s| revision_of(&s.hash));
                 prop_assert!(runs != target, "{} runs its revision but is held", c);
             }
             if later.clusters[c] == HELD {
@@ -821,7 +821,7 @@ proptest! {
             }
         }
         if !paused && let Some(first) = names.first() {
-            prop_assert!(p.clusters[first].rendered().is_some(), "the first wave is open");
+            prop_assert!(p.clusters[first.as_str()].rendered().is_some(), "the first wave is open");
         }
         prop_assert!(r.wave <= r.waves);
         if completed_before {

@@ -19,6 +19,7 @@ use flotilla_crds::federated::{Autoscaling, SchedulingReason};
 
 use super::apportion::{self, Slot};
 use super::{Assignment, RS, ScheduleError, Strategy, err};
+use crate::placement::ClusterName;
 
 const FIELD: &str = "spec.autoscaling";
 
@@ -70,8 +71,8 @@ pub(super) fn rename_total(mut e: ScheduleError) -> ScheduleError {
 
 /// The clusters that run the MyApp, each with its maximum (its assignment), and the
 /// sum of those maxima. Failed-over clusters are left out: their copy is left as it is.
-fn running(assignments: &BTreeMap<String, Assignment>) -> (Vec<(&String, u32)>, u32) {
-    let running: Vec<(&String, u32)> = assignments
+fn running(assignments: &BTreeMap<ClusterName, Assignment>) -> (Vec<(&ClusterName, u32)>, u32) {
+    let running: Vec<(&ClusterName, u32)> = assignments
         .iter()
         .filter(|(_, a)| a.replicas > 0 && a.reason != SchedulingReason::FailedOver)
         .map(|(name, a)| (name, a.replicas))
@@ -86,9 +87,9 @@ fn running(assignments: &BTreeMap<String, Assignment>) -> (Vec<(&String, u32)>, 
 /// get none. `previous`: each cluster's last minimum, which rounding leans towards.
 pub fn divide(
     min: u32,
-    assignments: &BTreeMap<String, Assignment>,
+    assignments: &BTreeMap<ClusterName, Assignment>,
     previous: &BTreeMap<String, u32>,
-) -> BTreeMap<String, Bounds> {
+) -> BTreeMap<ClusterName, Bounds> {
     let (running, whole) = running(assignments);
     let slots: Vec<Slot> = running
         .iter()
@@ -96,7 +97,7 @@ pub fn divide(
             weight: u64::from(*max),
             min: 1,
             max: *max,
-            prev: previous.get(*name).copied().unwrap_or(0),
+            prev: previous.get(&name[..]).copied().unwrap_or(0),
         })
         .collect();
     // At least one each, at most every maximum: always feasible.
@@ -123,10 +124,10 @@ pub fn divide(
 /// of the metric over every maximum given out, held ones included (they still drain
 /// their part of a global queue). With nothing held, `target` as it is.
 pub fn with_held(
-    target: BTreeMap<String, Bounds>,
-    assignments: &BTreeMap<String, Assignment>,
+    target: BTreeMap<ClusterName, Bounds>,
+    assignments: &BTreeMap<ClusterName, Assignment>,
     previous: &BTreeMap<String, u32>,
-) -> BTreeMap<String, Bounds> {
+) -> BTreeMap<ClusterName, Bounds> {
     let (running, whole) = running(assignments);
     running
         .into_iter()
@@ -134,7 +135,7 @@ pub fn with_held(
             let min = target
                 .get(name)
                 .map(|b| b.min)
-                .or_else(|| previous.get(name).copied())
+                .or_else(|| previous.get(&**name).copied())
                 .unwrap_or(1)
                 .clamp(1, max);
             let bounds = Bounds {
@@ -153,7 +154,7 @@ mod tests {
     use super::*;
     use proptest::prelude::{prop_assert, prop_assert_eq, proptest};
 
-    fn assigned(maxima: &[u32]) -> BTreeMap<String, Assignment> {
+    fn assigned(maxima: &[u32]) -> BTreeMap<ClusterName, Assignment> {
         maxima
             .iter()
             .enumerate()
@@ -162,12 +163,12 @@ mod tests {
                     replicas: *max,
                     reason: SchedulingReason::Weight,
                 };
-                (format!("c{i}"), a)
+                (format!("c{i}").into(), a)
             })
             .collect()
     }
 
-    fn mins(bounds: &BTreeMap<String, Bounds>) -> Vec<u32> {
+    fn mins(bounds: &BTreeMap<ClusterName, Bounds>) -> Vec<u32> {
         bounds.values().map(|b| b.min).collect()
     }
 
@@ -198,7 +199,7 @@ mod tests {
             },
         );
         let b = divide(3, &a, &BTreeMap::new());
-        assert_eq!(b.keys().collect::<Vec<_>>(), ["c0", "c2"]);
+        assert_eq!(b.keys().map(|c| &**c).collect::<Vec<_>>(), ["c0", "c2"]);
         assert_eq!(
             b["c0"].whole, 9,
             "the failed-over copy is no part of the share"
@@ -265,7 +266,7 @@ mod tests {
         fn a_minimum_one_higher_moves_each_cluster_by_one_at_most(maxima in arb_maxima(), min in 1u32..60) {
             let a = assigned(&maxima);
             let before = divide(min, &a, &BTreeMap::new());
-            let previous = before.iter().map(|(c, b)| (c.clone(), b.min)).collect();
+            let previous = before.iter().map(|(c, b)| (c.to_string(), b.min)).collect();
             prop_assert_eq!(&divide(min, &a, &previous), &before, "a fixed point");
             prop_assert_eq!(&with_held(before.clone(), &a, &previous), &before, "nothing held");
             let after = divide(min + 1, &a, &previous);

@@ -6,7 +6,7 @@ use flotilla_crds::federated::SchedulingReason;
 
 use super::validate::{Rules, Spread};
 use super::{Inputs, MAX_PER_CLUSTER, Previous, Recheck};
-use crate::placement::Member;
+use crate::placement::{ClusterName, Member};
 
 /// How a placed cluster takes part in this division.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,7 +23,7 @@ pub(super) enum State {
 
 /// One placed cluster as the division sees it.
 pub(super) struct Cluster<'a> {
-    pub name: &'a String,
+    pub name: &'a ClusterName,
     pub member: &'a Member,
     pub prev: Previous,
     pub state: State,
@@ -60,7 +60,7 @@ pub(super) fn classify<'a>(
         .iter()
         .map(|name| {
             let member = inp.members.get(name).unwrap_or(&ABSENT);
-            let prev = inp.previous.get(name).cloned().unwrap_or_default();
+            let prev = inp.previous.get(&**name).cloned().unwrap_or_default();
             let state = state(member, &prev, inp.spec_changed, rules, recheck);
             let pref = rules
                 .prefs

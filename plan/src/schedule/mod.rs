@@ -34,7 +34,7 @@ use flotilla_crds::federated::{
 };
 use flotilla_crds::member::Resources;
 
-use crate::placement::Members;
+use crate::placement::{ClusterName, Members};
 
 pub mod apportion;
 mod assign;
@@ -163,7 +163,7 @@ pub fn division(clusters: &[ClusterStatus]) -> Vec<DivisionGroup> {
 pub struct Inputs<'a> {
     pub placement: &'a Placement,
     /// The placed clusters, sorted (placement's decision).
-    pub placed: &'a [String],
+    pub placed: &'a [ClusterName],
     pub members: &'a Members,
     /// `spec.template.spec.replicas`.
     pub template_replicas: Option<i32>,
@@ -181,7 +181,7 @@ pub struct Inputs<'a> {
 impl<'a> Inputs<'a> {
     pub fn for_app(
         app: &'a FederatedMyApp,
-        placed: &'a [String],
+        placed: &'a [ClusterName],
         members: &'a Members,
     ) -> Result<Self, ScheduleError> {
         let status = app.status.as_ref();
@@ -316,13 +316,13 @@ pub struct Schedule {
     /// Weighted or Capacity: `replicas` is written into each cluster's MyApp.
     pub divided: bool,
     /// Every placed cluster.
-    pub clusters: BTreeMap<String, Assignment>,
+    pub clusters: BTreeMap<ClusterName, Assignment>,
     /// When the same inputs may divide differently (a grace period ends, replacements
     /// may be Ready): reconcile again by then.
     pub recheck_after: Option<Duration>,
     /// Under `spec.autoscaling`: each running cluster's bounds; its assignment is its
     /// maximum.
-    pub bounds: BTreeMap<String, Bounds>,
+    pub bounds: BTreeMap<ClusterName, Bounds>,
 }
 
 impl Schedule {
@@ -414,8 +414,8 @@ pub fn annotate(status: &mut FederatedMyAppStatus, schedule: &Schedule) {
         // in the member, the MyApp's own limit. A lying agent's count must not inflate
         // the total (review H2).
         let mut most = MAX_PER_CLUSTER;
-        c.min_replicas = schedule.bounds.get(&c.name).map(|b| b.min as i32);
-        if let Some(a) = schedule.clusters.get(&c.name) {
+        c.min_replicas = schedule.bounds.get(c.name.as_str()).map(|b| b.min as i32);
+        if let Some(a) = schedule.clusters.get(c.name.as_str()) {
             c.replicas = Some(a.replicas as i32);
             c.scheduling_reason = Some(a.reason);
             if c.autoscaler.is_none() {

@@ -6,10 +6,11 @@ use std::collections::BTreeSet;
 
 use super::validate::Spread;
 use super::{SPREAD, ScheduleError, err};
+use crate::placement::ClusterName;
 
 /// A cluster spread may choose.
 pub(super) struct Candidate<'a> {
-    pub name: &'a String,
+    pub name: &'a ClusterName,
     /// Frozen with replicas: always kept, first.
     pub fixed: bool,
     pub had: bool,

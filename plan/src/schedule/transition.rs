@@ -12,6 +12,7 @@ use super::apportion::{self, Slot};
 use super::assign::Division;
 use super::classify::{Cluster, State};
 use super::{Assignment, Recheck, SURPLUS_RECHECK, Schedule};
+use crate::placement::ClusterName;
 
 /// What each cluster is told before make before break ([`make_before_break`], which the
 /// caller runs with what a new share needs to count as Ready).
@@ -72,12 +73,12 @@ fn assign(
             reason: SchedulingReason::Recovered,
         },
         State::Frozen(reason) => Assignment {
-            replicas: division.frozen[c.name.as_str()],
+            replicas: division.frozen[c.name.as_ref()],
             reason,
         },
         State::Eligible => {
             let left_out = division.slots[i].max == 0
-                && !division.chosen.contains(c.name.as_str())
+                && !division.chosen.contains(c.name.as_ref())
                 && division.candidates.iter().any(|k| k.name == c.name);
             let moved_in = without_failover.is_some_and(|w| target > w[i]);
             Assignment {
@@ -100,20 +101,20 @@ fn assign(
 /// asks to be looked at again.
 pub(super) fn make_before_break(
     clusters: &[Cluster<'_>],
-    assignments: &mut BTreeMap<String, Assignment>,
+    assignments: &mut BTreeMap<ClusterName, Assignment>,
     recheck: &mut Recheck,
     needs: impl Fn(&str, &Assignment) -> u32,
 ) {
     let pending = clusters.iter().any(|c| {
-        let a = &assignments[c.name.as_str()];
-        c.state == State::Eligible && needs(c.name.as_str(), a) > c.prev.ready_replicas
+        let a = &assignments[c.name.as_ref()];
+        c.state == State::Eligible && needs(c.name.as_ref(), a) > c.prev.ready_replicas
     });
     if !pending {
         return;
     }
     for c in clusters.iter().filter(|c| c.state != State::FailedOver) {
         let a = assignments
-            .get_mut(c.name.as_str())
+            .get_mut(c.name.as_ref())
             .expect("every cluster is assigned");
         if a.replicas < c.prev.replicas {
             *a = Assignment {

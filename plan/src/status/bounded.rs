@@ -45,11 +45,11 @@ fn wide(k: usize, replicas: u32, reason: SchedulingReason, failed_over: bool) ->
         } else {
             (rendered.clone(), reason)
         };
-        plan.clusters.insert(name(i), p);
+        plan.clusters.insert(name(i).into(), p);
         let replicas = replicas + (i % 2) as u32;
         schedule
             .clusters
-            .insert(name(i), Assignment { replicas, reason });
+            .insert(name(i).into(), Assignment { replicas, reason });
     }
     plan.schedule = Some(schedule);
     plan

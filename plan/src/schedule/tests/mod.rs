@@ -37,7 +37,7 @@ fn three() -> Members {
         ("c3", member(&[("region", "us")])),
     ]
     .into_iter()
-    .map(|(n, m)| (n.to_owned(), m))
+    .map(|(n, m)| (n.into(), m))
     .collect()
 }
 
@@ -67,7 +67,7 @@ impl Case {
     }
 
     fn run(&self) -> Result<Schedule, ScheduleError> {
-        let placed: Vec<String> = self.members.keys().cloned().collect();
+        let placed: Vec<ClusterName> = self.members.keys().cloned().collect();
         schedule(&Inputs {
             placement: &self.placement,
             placed: &placed,
@@ -96,10 +96,14 @@ impl Case {
                     ready_replicas: a.replicas,
                     reason: Some(a.reason),
                 };
-                (c.clone(), prev)
+                (c.to_string(), prev)
             })
             .collect();
-        self.previous_min = s.bounds.iter().map(|(c, b)| (c.clone(), b.min)).collect();
+        self.previous_min = s
+            .bounds
+            .iter()
+            .map(|(c, b)| (c.to_string(), b.min))
+            .collect();
         self.spec_changed = false;
     }
 

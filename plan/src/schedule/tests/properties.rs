@@ -49,7 +49,7 @@ fn build(total: u32, clusters: &[ArbCluster], mode: u8) -> Case {
                 ..Member::default()
             };
             m.not_ready_for = down.map(Duration::from_secs);
-            (format!("k{i}"), m)
+            (format!("k{i}").into(), m)
         })
         .collect();
     c
@@ -84,7 +84,7 @@ proptest! {
             // Fresh (no previous division, nothing to hold): exactly the total.
             prop_assert_eq!(s.total(), total);
             for (i, (_, cpu, ..)) in clusters.iter().enumerate() {
-                let a = s.clusters[&format!("k{i}")];
+                let a = s.clusters[format!("k{i}").as_str()];
                 prop_assert!(a.replicas <= MAX_PER_CLUSTER);
                 if mode == 1 {
                     prop_assert!(a.replicas as i64 <= cpu / 500, "{:?} exceeds room {}", a, cpu / 500);
