@@ -28,7 +28,8 @@ enum Cmd {
         #[arg(long, value_enum, default_value_t = Provider::Local)]
         provider: Provider,
         /// Give every cluster one real node (kubelet, containerd, kube-proxy) beside the KWOK
-        /// nodes, and run the hub and agents on them as Pods (needs root; see e2e/README.md)
+        /// nodes, and run the hub and agents on them as Pods (needs root; see e2e/README.md).
+        /// With `--provider kind`: the hub and agents as Pods on the kind nodes
         #[arg(long)]
         real_nodes: bool,
     },
@@ -48,7 +49,7 @@ enum Cmd {
         #[arg(long, value_enum, default_value_t = Provider::Local)]
         provider: Provider,
         /// Bring the environment up with real nodes (hub and agents as Pods) and run the
-        /// suites that hold there: propagation and realnodes
+        /// suites that hold there: propagation and realnodes (and, on kind, helm)
         #[arg(long)]
         real_nodes: bool,
     },

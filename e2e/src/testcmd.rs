@@ -93,7 +93,7 @@ pub async fn run(dir: &Path, members: usize, provider: Provider, real_nodes: boo
     }
     if !interrupted && env_ok {
         let args = e2e_args(provider, real_nodes, members);
-        if provider == Provider::Kind && members < crate::THREE_MEMBERS.len() {
+        if provider == Provider::Kind && !real_nodes && members < crate::THREE_MEMBERS.len() {
             eprintln!(
                 "flotilla-e2e test: the scheduling suite needs three members; with {members} it is left out (`--members 3` runs it)"
             );
@@ -129,7 +129,8 @@ pub async fn run(dir: &Path, members: usize, provider: Provider, real_nodes: boo
 /// green run too).
 /// - Local provider: all of them.
 /// - Real-node mode: those that neither start nor kill local hub and agent processes
-///   (`propagation`, `realnodes`).
+///   (`propagation`, `realnodes`); on kind (the hub and agents as Pods on the kind nodes)
+///   also `helm`, which installs the chart into kind clusters of its own.
 /// - kind: those that do not stop or restart the local provider's control-plane
 ///   processes (kwokctl's, by PID) nor expect its layout: `propagation`, `operator`,
 ///   `install`, and `scheduling` when there are three members (its suite needs them).
@@ -137,6 +138,9 @@ pub fn e2e_args(provider: Provider, real_nodes: bool, members: usize) -> Vec<Str
     let mut args: Vec<&str> = vec!["test", "--no-fail-fast", "-p", "flotilla-e2e"];
     if real_nodes {
         args.extend(["--test", "propagation", "--test", "realnodes"]);
+        if provider == Provider::Kind {
+            args.extend(["--test", "helm"]);
+        }
     } else if provider == Provider::Kind {
         args.extend([
             "--test",
@@ -326,6 +330,25 @@ mod tests {
         assert_eq!(
             e2e_args(Provider::Kind, false, 2),
             with(&["--", "--show-output"])
+        );
+        // kind with the hub and agents as Pods: real-node mode's suites and the chart's.
+        assert_eq!(
+            e2e_args(Provider::Kind, true, 2),
+            [
+                "test",
+                "--no-fail-fast",
+                "-p",
+                "flotilla-e2e",
+                "--test",
+                "propagation",
+                "--test",
+                "realnodes",
+                "--test",
+                "helm",
+                "--",
+                "--show-output",
+                "--include-ignored"
+            ]
         );
     }
 }

@@ -1,14 +1,15 @@
 //! Real-node mode only (`flotilla-e2e up --real-nodes`, run by `flotilla-e2e test
 //! --real-nodes`, which passes `--include-ignored`): the hub and the agents run as Pods
 //! from the deploy manifests on the clusters' real nodes; the MyApps' pods stay on the
-//! KWOK nodes; deleting the leading hub Pod fails over to the standby.
+//! KWOK nodes; deleting the leading hub Pod fails over to the standby. The same on kind
+//! (`--provider kind --real-nodes`), where each cluster's real node is its kind node.
 
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use flotilla_crds::{FederatedMyApp, MemberCluster, MyApp};
 use flotilla_lab::federation::wait_member_ready;
-use flotilla_lab::provider::realnode::{self, NODE_NAME, REAL_NODE_KEY, oci};
+use flotilla_lab::provider::realnode::{self, REAL_NODE_KEY, oci, pods as install};
 use flotilla_lab::{Env, Role, await_object, wait_for};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
@@ -17,12 +18,12 @@ use serde_json::json;
 
 const NS: &str = "flotilla-system";
 const TIMEOUT: Duration = Duration::from_secs(60);
-const IGNORED: &str = "real-node mode only: `flotilla-e2e test --real-nodes`";
+const IGNORED: &str = "hub and agents as Pods only: `flotilla-e2e test --real-nodes` (or `--provider kind --real-nodes`)";
 
 async fn real_env() -> Result<Env> {
     let env = Env::load_ready().await?;
     if !env.real_nodes {
-        bail!("{IGNORED}: the environment has no real nodes");
+        bail!("{IGNORED}: the environment runs them as host processes");
     }
     Ok(env)
 }
@@ -32,6 +33,26 @@ fn ready(p: &Pod) -> bool {
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
         .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// Whether Pod `p` may be on a node tainted `REAL_NODE_KEY` (`NoSchedule`): it tolerates
+/// that key, or every key; or it is a static Pod (kind's control plane), never scheduled.
+fn may_be_on_the_real_node(p: &Pod) -> bool {
+    let static_pod = p
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key("kubernetes.io/config.mirror"));
+    let tolerations = p.spec.as_ref().and_then(|s| s.tolerations.as_deref());
+    static_pod
+        || tolerations.unwrap_or_default().iter().any(|t| {
+            let effect = t.effect.as_deref().is_none_or(|e| e == "NoSchedule");
+            let key = match t.key.as_deref() {
+                None | Some("") => t.operator.as_deref() == Some("Exists"),
+                Some(k) => k == REAL_NODE_KEY,
+            };
+            effect && key
+        })
 }
 
 fn node_of(p: &Pod) -> &str {
@@ -54,7 +75,7 @@ async fn pods(c: &Client, ns: &str, selector: &str) -> Result<Vec<Pod>> {
 
 /// One test, two steps in order: the failover disturbs what the first step checks.
 #[tokio::test]
-#[ignore = "real-node mode only: `flotilla-e2e test --real-nodes`"]
+#[ignore = "hub and agents as Pods only: `flotilla-e2e test --real-nodes` (or `--provider kind --real-nodes`)"]
 async fn hub_and_agents_run_as_pods_and_the_hub_fails_over() -> Result<()> {
     let env = real_env().await?;
     hub_and_agents_run_as_ready_pods_on_the_real_nodes(&env).await?;
@@ -127,9 +148,10 @@ async fn hub_and_agents_run_as_ready_pods_on_the_real_nodes(env: &Env) -> Result
     let host = env.client("host").await?;
     let hubs = pods(&host, NS, "app.kubernetes.io/name=flotilla-hub").await?;
     assert_eq!(hubs.len(), 2, "deploy/hub runs two hubs");
+    let host_node = install::node_name(env, "host");
     for p in &hubs {
         assert!(ready(p), "hub Pod {} is not Ready", p.name_any());
-        assert_eq!(node_of(p), NODE_NAME, "hub Pod {}", p.name_any());
+        assert_eq!(node_of(p), host_node, "hub Pod {}", p.name_any());
     }
     let leaders = pods(&host, NS, "flotilla.io/leader=true").await?;
     assert_eq!(leaders.len(), 1, "exactly one hub Pod leads");
@@ -140,7 +162,8 @@ async fn hub_and_agents_run_as_ready_pods_on_the_real_nodes(env: &Env) -> Result
             .iter()
             .find(|p| ready(p))
             .unwrap_or_else(|| panic!("no Ready agent Pod in {}", c.name));
-        assert_eq!(node_of(agent), NODE_NAME);
+        let node = install::node_name(env, &c.name);
+        assert_eq!(node_of(agent), node);
         // `kubectl logs`, as the API serves it (apiserver → kubelet → containerd).
         let logs = Api::<Pod>::namespaced(client.clone(), NS)
             .logs(&agent.name_any(), &LogParams::default())
@@ -150,17 +173,14 @@ async fn hub_and_agents_run_as_ready_pods_on_the_real_nodes(env: &Env) -> Result
             "{}: the agent's log shows no session:\n{logs}",
             c.name
         );
-        // Nothing without the toleration runs on the real node.
+        // Nothing without the toleration runs on the real node (on kind: kind's control
+        // plane, static Pods, and its own workloads, which tolerate every taint or were
+        // given the toleration by the lab).
         let all: Api<Pod> = Api::all(client.clone());
         for p in all.list(&ListParams::default()).await?.items {
-            let tolerates = p
-                .spec
-                .as_ref()
-                .and_then(|s| s.tolerations.as_ref())
-                .is_some_and(|t| t.iter().any(|t| t.key.as_deref() == Some(REAL_NODE_KEY)));
-            if node_of(&p) == NODE_NAME {
+            if node_of(&p) == node {
                 assert!(
-                    tolerates,
+                    may_be_on_the_real_node(&p),
                     "{}: Pod {} is on the real node",
                     c.name,
                     p.name_any()
@@ -245,7 +265,7 @@ async fn deleting_the_leading_hub_pod_fails_over_to_the_standby(env: &Env) -> Re
 /// `runAsUser` (as deploy/hub once had) never starts, because the kubelet cannot prove a
 /// name is not root. The same Pod with the hub's image (numeric user 65532) runs.
 #[tokio::test]
-#[ignore = "real-node mode only: `flotilla-e2e test --real-nodes`"]
+#[ignore = "hub and agents as Pods only: `flotilla-e2e test --real-nodes` (or `--provider kind --real-nodes`)"]
 async fn run_as_non_root_refuses_an_image_with_a_named_user() -> Result<()> {
     let env = real_env().await?;
     let host = env.client("host").await?;
@@ -262,7 +282,7 @@ async fn run_as_non_root_refuses_an_image_with_a_named_user() -> Result<()> {
     named.user = "nonroot".into();
     let archive = images.join("flotilla-hub-named-user.tar");
     oci::write_archive(&named, &archive)?;
-    realnode::import(&realnode::nodes_dir(&env.dir).join("host"), &archive).await?;
+    install::load(&env, "host", &archive).await?;
 
     let api: Api<Pod> = Api::namespaced(host.clone(), "default");
     let pod = |name: &str, image: &str| -> Result<Pod> {
@@ -272,7 +292,11 @@ async fn run_as_non_root_refuses_an_image_with_a_named_user() -> Result<()> {
             "spec": {
                 "restartPolicy": "Never",
                 "securityContext": {"runAsNonRoot": true},
-                "tolerations": [{"key": REAL_NODE_KEY, "operator": "Exists", "effect": "NoSchedule"}],
+                // The cordon's too: kind's nodes are cordoned.
+                "tolerations": [
+                    {"key": REAL_NODE_KEY, "operator": "Exists", "effect": "NoSchedule"},
+                    {"key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"},
+                ],
                 "nodeSelector": {REAL_NODE_KEY: "true"},
                 "containers": [{
                     "name": "hub", "image": image, "imagePullPolicy": "Never",

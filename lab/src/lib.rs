@@ -56,16 +56,14 @@ pub async fn up(dir: &Path, members: usize, provider: Provider) -> Result<Env> {
     up_with(dir, members, provider, false).await
 }
 
-/// [`up`], with one real node per cluster if `real_nodes` (local provider only).
+/// [`up`], with the hub and the agents as Pods if `real_nodes`: on the local provider, on
+/// one real node per cluster ([`provider::realnode`]); on kind, on each cluster's kind node.
 pub async fn up_with(
     dir: &Path,
     members: usize,
     provider: Provider,
     real_nodes: bool,
 ) -> Result<Env> {
-    if real_nodes && provider != Provider::Local {
-        bail!("--real-nodes is for the local provider (kind's nodes are real already)");
-    }
     let start = Instant::now();
     let names = cluster_names(members);
     if let Some(existing) = Env::load_state(dir)? {
@@ -110,7 +108,10 @@ pub async fn up_with(
     }
     env.save()?;
     if real_nodes {
-        provider::realnode::install(&env, start).await?;
+        match provider {
+            Provider::Local => provider::realnode::install(&env, start).await?,
+            Provider::Kind => provider::kind::install_pods(&env, start).await?,
+        }
         return Ok(env);
     }
     // Flotilla itself: the hub on the host, one agent per member (stopped by `down`).

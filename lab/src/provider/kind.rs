@@ -119,6 +119,77 @@ pub fn node_name(kind_name: &str) -> String {
     format!("{kind_name}-control-plane")
 }
 
+/// The address of kind cluster `kind_name`'s node on the `kind` network: what the other
+/// clusters' nodes (and their Pods, masqueraded) reach its NodePorts at.
+pub fn node_address(kind_name: &str) -> Result<String> {
+    let node = node_name(kind_name);
+    let format = format!("{{{{(index .NetworkSettings.Networks \"{NETWORK}\").IPAddress}}}}");
+    let out = std::process::Command::new("docker")
+        .args(["inspect", "-f", &format, &node])
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running `docker inspect {node}` (is Docker installed?)"))?;
+    let ip = stdout_of(format_args!("`docker inspect {node}`"), out)?;
+    let ip = ip.trim();
+    ensure!(
+        ip.parse::<std::net::Ipv4Addr>().is_ok(),
+        "kind node {node} has no IPv4 address on the {NETWORK} network: {ip:?}"
+    );
+    Ok(ip.to_string())
+}
+
+/// `kind load image-archive`: an OCI layout archive (as [`super::realnode::oci`] writes
+/// them) into the containerd of kind cluster `kind_name`'s node, no registry.
+pub async fn load_image(kind_name: &str, archive: &Path) -> Result<()> {
+    let archive = archive.to_string_lossy();
+    kind(&["load", "image-archive", &archive, "--name", kind_name])
+        .await
+        .with_context(|| format!("loading {archive} into kind cluster {kind_name}"))?;
+    Ok(())
+}
+
+/// Creates kind cluster `kind_name` (unless it exists) with the environment's settings,
+/// its kubeconfig written to `kubeconfig`: for a test that needs clusters of its own (the
+/// Helm install). `down` deletes it with the environment's (it carries the prefix).
+pub async fn create_extra(env: &Env, cluster: &str, kubeconfig: &Path) -> Result<String> {
+    let name = kind_name(env, cluster);
+    if kind(&["get", "clusters"])
+        .await?
+        .lines()
+        .any(|l| l.trim() == name)
+    {
+        return Ok(name);
+    }
+    let config = env.dir.join(format!("kind-{cluster}.yaml"));
+    std::fs::write(&config, kind_config())?;
+    let state = ClusterState {
+        name: cluster.to_string(),
+        role: crate::Role::Member,
+        kubeconfig: kubeconfig.to_path_buf(),
+        components: Vec::new(),
+    };
+    let image = std::env::var("FLOTILLA_KIND_IMAGE").unwrap_or_default();
+    let args = create_args(env, &state, &config, &image);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let created = kind(&args)
+        .await
+        .with_context(|| format!("creating kind cluster {name}"));
+    remove(&config)?;
+    created.map(|_| name)
+}
+
+/// Deletes kind cluster `kind_name` if it exists.
+pub async fn delete_extra(kind_name: &str) -> Result<()> {
+    if kind(&["get", "clusters"])
+        .await?
+        .lines()
+        .any(|l| l.trim() == kind_name)
+    {
+        kind(&["delete", "cluster", "--name", kind_name]).await?;
+    }
+    Ok(())
+}
+
 /// The process name of the KWOK controller of `cluster`.
 pub fn kwok_process(cluster: &str) -> String {
     format!("kwok-{cluster}")
@@ -169,6 +240,22 @@ pub async fn up(env: &mut Env) -> Result<()> {
         start_kwok(env, c, &bin.join("kwok"))
             .with_context(|| format!("cluster {}: starting its KWOK controller", c.name))?;
     }
+    Ok(())
+}
+
+/// `up --provider kind --real-nodes`, once the clusters run: the hub and the agents as
+/// Pods on the kind nodes, from deploy/ and `flotilla-hub join`, as real-node mode
+/// installs them ([`crate::provider::realnode::pods`]). `start` is when `up` began.
+pub async fn install_pods(env: &Env, start: std::time::Instant) -> Result<()> {
+    let bin = crate::provider::local::binaries(false).await?;
+    crate::provider::realnode::pods::up(env, &bin)
+        .await
+        .context("installing flotilla-hub and the agents as Pods on the kind nodes")?;
+    eprintln!(
+        "flotilla-e2e: environment up in {:.1}s, hub and agents as Pods on kind ({})",
+        start.elapsed().as_secs_f64(),
+        env.dir.display()
+    );
     Ok(())
 }
 
@@ -424,6 +511,16 @@ pub async fn down(env: &Env) -> Result<()> {
             "cluster {}: volumes of kind cluster {name} left after `kind delete cluster`: {kept:?}",
             c.name
         );
+    }
+    // Clusters a test made for itself (`create_extra`), left by a test that was stopped.
+    let prefix = kind_name(env, "");
+    for name in existing.lines().map(str::trim) {
+        let ours = env.clusters.iter().any(|c| kind_name(env, &c.name) == name);
+        if name.starts_with(&prefix) && !ours {
+            kind(&["delete", "cluster", "--name", name])
+                .await
+                .with_context(|| format!("deleting kind cluster {name}"))?;
+        }
     }
     remove_network_if_unused().await?;
     remove(&env.dir.join("kind.yaml"))

@@ -18,6 +18,13 @@
 //!    ... -o NAME.yaml`, applied with the same toleration and nodeSelector (a kustomize
 //!    overlay over that file), so the agent dials the hub through the host's Service.
 //!
+//! On kind (`up --provider kind --real-nodes`) the same install runs on each cluster's kind
+//! node, which kind.rs labels and taints as a real node and also cordons: the images go in
+//! with `kind load image-archive`, the hub address is the host's kind node on the `kind`
+//! network, and the overlays add a toleration of the cordon (`node.kubernetes.io/
+//! unschedulable`), so that the node stays out of the scheduling suite's capacity counts
+//! and only the Pods that tolerate it land there. [`Nodes`] holds those differences.
+//!
 //! `up` then waits until both hub Pods are Ready, one of them leads (label
 //! `flotilla.io/leader=true`), every agent is Ready and every MemberCluster is Ready. When
 //! a Pod does not become Ready it fails with `kubectl describe pod` of the Pods concerned.
@@ -44,6 +51,71 @@ pub const IMAGE_TARGET: &str = "x86_64-unknown-linux-musl";
 /// deploy/components/hub-nodeport's port.
 pub const HUB_NODE_PORT: u16 = 30743;
 const READY_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// The taint a cordoned node carries: kind's nodes are cordoned (see kind.rs).
+const UNSCHEDULABLE_TAINT: &str = "node.kubernetes.io/unschedulable";
+
+/// The nodes the Pods run on: what differs between real-node mode and kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Nodes {
+    /// Real-node mode's nodes (`realnode`), on the local provider.
+    Real,
+    /// Each kind cluster's node, tainted and cordoned by kind.rs.
+    Kind,
+}
+
+impl Nodes {
+    pub fn of(env: &Env) -> Nodes {
+        match env.provider {
+            crate::Provider::Local => Nodes::Real,
+            crate::Provider::Kind => Nodes::Kind,
+        }
+    }
+
+    /// The taints the Pods must tolerate (`NoSchedule`, operator `Exists`).
+    pub fn taints(self) -> &'static [&'static str] {
+        match self {
+            Nodes::Real => &[REAL_NODE_KEY],
+            Nodes::Kind => &[REAL_NODE_KEY, UNSCHEDULABLE_TAINT],
+        }
+    }
+}
+
+/// The name of the node the Pods of `cluster` run on.
+pub fn node_name(env: &Env, cluster: &str) -> String {
+    match Nodes::of(env) {
+        Nodes::Real => realnode::NODE_NAME.to_string(),
+        Nodes::Kind => {
+            crate::provider::kind::node_name(&crate::provider::kind::kind_name(env, cluster))
+        }
+    }
+}
+
+/// Puts the image in OCI archive `archive` into the node of `cluster`: `ctr images import`
+/// on a real node, `kind load image-archive` on kind.
+pub async fn load(env: &Env, cluster: &str, archive: &Path) -> Result<()> {
+    match Nodes::of(env) {
+        Nodes::Real => {
+            realnode::import(&realnode::nodes_dir(&env.dir).join(cluster), archive).await
+        }
+        Nodes::Kind => {
+            let name = crate::provider::kind::kind_name(env, cluster);
+            crate::provider::kind::load_image(&name, archive).await
+        }
+    }
+}
+
+/// The address the agents dial the hub at: the host's node, NodePort 30743.
+fn hub_address(env: &Env, host: usize) -> Result<String> {
+    let ip = match Nodes::of(env) {
+        Nodes::Real => realnode::network(&env.dir)?.node_ip(host),
+        Nodes::Kind => crate::provider::kind::node_address(&crate::provider::kind::kind_name(
+            env,
+            &env.clusters[host].name,
+        ))?,
+    };
+    Ok(format!("{ip}:{HUB_NODE_PORT}"))
+}
 
 /// The images' references, as the manifests name them (`flotilla-hub:e2e-...`).
 #[derive(Debug, Clone)]
@@ -111,7 +183,7 @@ pub async fn images(env: &Env) -> Result<Images> {
                 _ => c.role == crate::Role::Member,
             };
             if wanted {
-                realnode::import(&realnode::nodes_dir(&env.dir).join(&c.name), &archive)
+                load(env, &c.name, &archive)
                     .await
                     .with_context(|| format!("importing {name} into {}", c.name))?;
             }
@@ -124,22 +196,28 @@ pub async fn images(env: &Env) -> Result<Images> {
     })
 }
 
-/// The toleration and nodeSelector that put a Deployment's Pods on the real node.
-fn real_node_patch(deployment: &str) -> String {
+/// The tolerations and nodeSelector that put a Deployment's Pods on the real node.
+fn real_node_patch(deployment: &str, nodes: Nodes) -> String {
+    let tolerations: Vec<String> = nodes
+        .taints()
+        .iter()
+        .map(|key| format!("{{key: {key}, operator: Exists, effect: NoSchedule}}"))
+        .collect();
     format!(
         "- target: {{kind: Deployment, name: {deployment}}}\n\
         \x20 patch: |-\n\
         \x20   - op: add\n\
         \x20     path: /spec/template/spec/tolerations\n\
-        \x20     value: [{{key: {REAL_NODE_KEY}, operator: Exists, effect: NoSchedule}}]\n\
+        \x20     value: [{tolerations}]\n\
         \x20   - op: add\n\
         \x20     path: /spec/template/spec/nodeSelector\n\
-        \x20     value: {{{REAL_NODE_KEY}: \"true\"}}\n"
+        \x20     value: {{{REAL_NODE_KEY}: \"true\"}}\n",
+        tolerations = tolerations.join(", ")
     )
 }
 
 /// The e2e's overlay of the hub: `deploy/overlays/hub-nodeport`, its image tag, the real node.
-fn hub_kustomization(base: &Path, image_tag: &str) -> String {
+fn hub_kustomization(base: &Path, image_tag: &str, nodes: Nodes) -> String {
     format!(
         "# Written by flotilla-e2e: deploy/overlays/hub-nodeport on the host's real node.\n\
          apiVersion: kustomize.config.k8s.io/v1beta1\n\
@@ -152,12 +230,12 @@ fn hub_kustomization(base: &Path, image_tag: &str) -> String {
          patches:\n\
          {patch}",
         base = base.display(),
-        patch = real_node_patch("flotilla-hub"),
+        patch = real_node_patch("flotilla-hub", nodes),
     )
 }
 
 /// The e2e's overlay of a member's install (`join.yaml`, as `flotilla-hub join` wrote it).
-fn member_kustomization() -> String {
+fn member_kustomization(nodes: Nodes) -> String {
     format!(
         "# Written by flotilla-e2e: the install `flotilla-hub join` printed, on the real node.\n\
          apiVersion: kustomize.config.k8s.io/v1beta1\n\
@@ -166,7 +244,7 @@ fn member_kustomization() -> String {
          - join.yaml\n\
          patches:\n\
          {}",
-        real_node_patch("flotilla-agent")
+        real_node_patch("flotilla-agent", nodes)
     )
 }
 
@@ -231,8 +309,8 @@ pub async fn up(env: &Env, bin: &Path) -> Result<()> {
         .find(|(_, c)| c.role == crate::Role::Host)
         .context("no host cluster")?;
     let host_kubeconfig = env.kubeconfig(&host.1.name)?;
-    let net = realnode::network(&env.dir)?;
-    let hub_address = format!("{}:{HUB_NODE_PORT}", net.node_ip(host.0));
+    let nodes = Nodes::of(env);
+    let hub_address = hub_address(env, host.0)?;
 
     // The hub.
     let hub_dir = dir.join("hub");
@@ -251,7 +329,7 @@ pub async fn up(env: &Env, bin: &Path) -> Result<()> {
         .with_context(|| format!("{} relative to {}", base.display(), hub_dir.display()))?;
     std::fs::write(
         hub_dir.join("kustomization.yaml"),
-        hub_kustomization(&relative, &tag),
+        hub_kustomization(&relative, &tag, nodes),
     )?;
     let cli_bin = cargo_binaries(&[("flotilla-hub", "flotilla-hub")])?;
     let cli = HubCli {
@@ -350,7 +428,7 @@ pub async fn up(env: &Env, bin: &Path) -> Result<()> {
         cli.run(&args)?;
         std::fs::write(
             member_dir.join("kustomization.yaml"),
-            member_kustomization(),
+            member_kustomization(nodes),
         )?;
         kubectl(
             bin,
@@ -379,6 +457,7 @@ mod tests {
         let k: serde_yaml::Value = serde_yaml::from_str(&hub_kustomization(
             Path::new("/repo/deploy/overlays/hub-nodeport"),
             "e2e-abc",
+            Nodes::Real,
         ))
         .unwrap();
         assert_eq!(k["resources"][0], "/repo/deploy/overlays/hub-nodeport");
@@ -397,8 +476,34 @@ mod tests {
             relative("/repo/target/e2e/i", "/repo/deploy/x"),
             Path::new("../../../deploy/x")
         );
-        let m: serde_yaml::Value = serde_yaml::from_str(&member_kustomization()).unwrap();
+        assert_eq!(patch[0]["value"].as_sequence().unwrap().len(), 1);
+        let m: serde_yaml::Value =
+            serde_yaml::from_str(&member_kustomization(Nodes::Real)).unwrap();
         assert_eq!(m["resources"][0], "join.yaml");
         assert_eq!(m["patches"][0]["target"]["name"], "flotilla-agent");
+    }
+
+    #[test]
+    fn on_kind_the_pods_also_tolerate_the_cordon() {
+        for k in [
+            hub_kustomization(Path::new("../hub-nodeport"), "e2e-abc", Nodes::Kind),
+            member_kustomization(Nodes::Kind),
+        ] {
+            let k: serde_yaml::Value = serde_yaml::from_str(&k).unwrap();
+            let patch: serde_yaml::Value =
+                serde_yaml::from_str(k["patches"][0]["patch"].as_str().unwrap()).unwrap();
+            let keys: Vec<&str> = patch[0]["value"]
+                .as_sequence()
+                .unwrap()
+                .iter()
+                .map(|t| {
+                    assert_eq!(t["operator"], "Exists");
+                    assert_eq!(t["effect"], "NoSchedule");
+                    t["key"].as_str().unwrap()
+                })
+                .collect();
+            assert_eq!(keys, [REAL_NODE_KEY, UNSCHEDULABLE_TAINT]);
+            assert_eq!(patch[1]["value"][REAL_NODE_KEY], "true");
+        }
     }
 }
