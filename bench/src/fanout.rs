@@ -769,20 +769,22 @@ pub struct Measured {
 /// per pair against the number of pairs, hub beside floor, as a table and a chart.
 pub async fn sweep(size: Size, apps: &[usize], svg: Option<&std::path::Path>) -> Result<Report> {
     ensure!(!apps.is_empty(), "--sweep-apps names no size");
+    // Each run with its report's JSON, made once for the table printed as it ends.
     let mut runs = Vec::with_capacity(apps.len());
     for &apps in apps {
         let run = measure(Size { apps, ..size }).await?;
-        eprint!("{}", run.report().table());
-        runs.push(run);
+        let report = run.report();
+        eprint!("{}", report.table());
+        runs.push((run, report.json));
     }
-    runs.sort_by_key(|r| r.size.pairs());
+    runs.sort_by_key(|(r, _)| r.size.pairs());
     let per_pair = |p: &Phase, pairs: f64| crate::chart::PerPair {
         pushes_per_s: pairs / p.seconds.max(1e-9),
         cpu_us: p.server_cpu_s * 1e6 / pairs,
         peak_rss_kib: p.server_peak_rss_mib * 1024.0 / pairs,
     };
     let points: Vec<crate::chart::SweepPoint> = (runs.iter())
-        .map(|r| {
+        .map(|(r, _)| {
             let pairs = r.size.pairs() as f64;
             crate::chart::SweepPoint {
                 pairs,
@@ -832,7 +834,7 @@ pub async fn sweep(size: Size, apps: &[usize], svg: Option<&std::path::Path>) ->
         notes: vec![],
         json: json!({
             "scenario": "fanout-sweep",
-            "runs": runs.iter().map(|r| r.report().json).collect::<Vec<_>>(),
+            "runs": runs.into_iter().map(|(_, json)| json).collect::<Vec<_>>(),
         }),
     })
 }
