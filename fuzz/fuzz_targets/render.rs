@@ -27,7 +27,7 @@ fuzz_target!(|data: &[u8]| {
         ("cluster3", labels(&[])),
     ]
     .into_iter()
-    .map(|(c, m)| (c.to_owned(), m))
+    .map(|(c, m)| (c.into(), m))
     .collect();
     let admission = flotilla_plan::admission::Admission::default();
     let grants = flotilla_plan::grants::Grants::default();
