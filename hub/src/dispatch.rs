@@ -5,7 +5,7 @@
 //! of its objects, never by the rate of changes, and never stalls the others. The
 //! session drains its queue into a bounded gRPC stream.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -37,8 +37,8 @@ enum Slot {
 
 /// What waits in a slot. An object's change becomes its message only when it is sent, so
 /// that a queued Apply holds the shared rendered MyApp rather than a copy of its key and
-/// hash: a fleet connecting at once queues every pair. The rare messages are boxed, so
-/// that a queued pair is a few words (the queue's `a_queued_pair_is_six_words`).
+/// hash. The rare messages are boxed, so that a queued pair is a few words (the queue's
+/// `a_queued_pair_is_six_words`).
 enum Queued {
     Change(Change),
     /// The desired keys as the index held them then, and the collections confirmed.
@@ -78,6 +78,78 @@ impl Queued {
     }
 }
 
+/// What waits for one session, in the order it is sent: its initial diff, then the rest.
+/// Pushing to an object that waits replaces its message where it stands.
+#[derive(Default)]
+struct Pending {
+    /// The diff the session started with, by key, sent first. A fleet connecting at once
+    /// queues every pair here: a plain list of (key, change), three words each, where an
+    /// entry of `queued` takes six and the map's table and growth besides
+    /// (heaptrack: 93 MiB of the peak at 1,000,000 pairs).
+    initial: VecDeque<(Arc<AppKey>, Change)>,
+    /// Everything pushed since (and whatever of the initial diff was out of key order).
+    queued: IndexMap<Slot, Queued>,
+}
+
+impl Pending {
+    /// Starts a session: its own pushes that are in strictly increasing key order from the
+    /// first (the index lists its diff so) become `initial`; the rest are queued after
+    /// them, as though each had been pushed in turn.
+    fn start(&mut self, pushes: Vec<(Arc<AppKey>, Change)>) {
+        let ordered = 1
+            + (pushes.windows(2))
+                .take_while(|pair| pair[0].0 < pair[1].0)
+                .count();
+        let mut pushes = pushes.into_iter();
+        self.initial = VecDeque::with_capacity(ordered);
+        self.initial.extend(pushes.by_ref().take(ordered));
+        for (key, change) in pushes {
+            self.push(Slot::Object(key), Queued::Change(change));
+        }
+    }
+
+    fn push(&mut self, slot: Slot, queued: Queued) {
+        let (slot, queued) = match (slot, queued) {
+            (Slot::Object(key), Queued::Change(change)) => {
+                match (self.initial).binary_search_by(|(k, _)| (**k).cmp(&*key)) {
+                    Ok(i) => {
+                        self.initial[i].1 = change;
+                        return;
+                    }
+                    Err(_) => (Slot::Object(key), Queued::Change(change)),
+                }
+            }
+            other => other,
+        };
+        self.queued.insert(slot, queued);
+    }
+
+    fn len(&self) -> usize {
+        self.initial.len() + self.queued.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.initial.is_empty() && self.queued.is_empty()
+    }
+
+    /// Takes up to `max` messages, oldest first.
+    fn take(&mut self, max: usize) -> Vec<pb::HubMessage> {
+        let from_initial = self.initial.len().min(max);
+        let mut batch: Vec<pb::HubMessage> = (self.initial.drain(..from_initial))
+            .map(|(key, change)| Queued::Change(change).into_message(Slot::Object(key)))
+            .collect();
+        if self.initial.is_empty() {
+            // Its room is not kept for the session's life.
+            self.initial = VecDeque::new();
+        }
+        let from_queued = self.queued.len().min(max - batch.len());
+        batch.extend(
+            (self.queued.drain(..from_queued)).map(|(slot, queued)| queued.into_message(slot)),
+        );
+        batch
+    }
+}
+
 /// The pending messages of one agent session.
 pub struct ClusterQueue {
     cluster: String,
@@ -88,7 +160,7 @@ pub struct ClusterQueue {
     renews_token: AtomicBool,
     id: u64,
     since: Instant,
-    pending: Mutex<IndexMap<Slot, Queued>>,
+    pending: Mutex<Pending>,
     notify: Notify,
     /// Fired when the session must end: a newer session of the same cluster, or its
     /// credential was revoked.
@@ -100,7 +172,7 @@ impl ClusterQueue {
         if self.closed.is_cancelled() {
             return;
         }
-        self.pending.lock().insert(slot, queued);
+        self.pending.lock().push(slot, queued);
         self.notify.notify_one();
     }
 
@@ -145,11 +217,7 @@ impl ClusterQueue {
             {
                 let mut pending = self.pending.lock();
                 if !pending.is_empty() {
-                    let n = pending.len().min(max);
-                    return pending
-                        .drain(..n)
-                        .map(|(slot, queued)| queued.into_message(slot))
-                        .collect();
+                    return pending.take(max);
                 }
             }
             self.notify.notified().await;
@@ -439,7 +507,10 @@ impl Dispatcher {
         });
         state.sessions.insert(cluster.to_owned(), queue.clone());
         let (pushes, desired) = state.index.connect(cluster, managed, scope);
-        route(&state, pushes);
+        let (own, others): (Vec<Push>, Vec<Push>) =
+            pushes.into_iter().partition(|(c, _, _)| c == cluster);
+        (queue.pending.lock()).start(own.into_iter().map(|(_, k, c)| (k, c)).collect());
+        route(&state, others);
         queue.push(
             Slot::SyncComplete,
             Queued::SyncComplete {
@@ -571,14 +642,16 @@ mod tests {
 
     use super::*;
 
-    /// A fleet connecting at once queues every pair: each is an entry of the session's
-    /// `IndexMap` (its hash, slot and what waits): when a slot held a copy of the
-    /// key and the rare messages were inline (96 B), 48 B now.
+    /// A pushed change is an entry of the session's `IndexMap` (its hash, slot and what
+    /// waits): when a slot held a copy of the key and the rare messages were inline
+    /// (96 B), 48 B now; the initial diff, which a fleet connecting at once queues for
+    /// every pair, takes 24 B a pair.
     #[test]
     fn a_queued_pair_is_six_words() {
         assert_eq!(size_of::<Slot>(), 16);
         assert_eq!(size_of::<Queued>(), 24);
         assert!(size_of::<(u64, Slot, Queued)>() <= 48);
+        assert_eq!(size_of::<(Arc<AppKey>, Change)>(), 24);
     }
 
     fn apply(hash: &str) -> Desired {
@@ -802,6 +875,115 @@ mod tests {
         };
         d.planned_for(["c1".to_owned()].into());
         assert!(waiter.await.unwrap());
+    }
+}
+
+/// The session's queue against the one it replaced, a single `IndexMap` into which the
+/// initial diff was pushed in turn: the same messages in the same order, after any
+/// start and any interleaving of pushes and takes.
+#[cfg(test)]
+mod pending_model {
+    use bytes::Bytes;
+    use flotilla_plan::render::RenderedMyApp;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Push(u8, Option<u8>),
+        Sync(u32),
+        Renew(i64),
+        Take(usize),
+    }
+
+    fn key(k: u8) -> Arc<AppKey> {
+        Arc::new(AppKey::new(
+            ["a", "b"][usize::from(k % 2)],
+            format!("app{}", k / 2),
+        ))
+    }
+
+    /// `None`: a Delete; the hash, an Apply.
+    fn change(hash: Option<u8>) -> Change {
+        match hash {
+            Some(h) => Change::Apply(Arc::new(RenderedMyApp {
+                hash: format!("h{h}"),
+                json: Bytes::new(),
+            })),
+            None => Change::Delete { orphan: false },
+        }
+    }
+
+    fn message(op: &Op) -> Option<(Slot, Queued)> {
+        Some(match *op {
+            Op::Push(k, hash) => (Slot::Object(key(k)), Queued::Change(change(hash))),
+            Op::Sync(confirmed) => (
+                Slot::SyncComplete,
+                Queued::SyncComplete {
+                    desired: Box::new([key(0)]),
+                    confirmed,
+                },
+            ),
+            Op::Renew(at) => (
+                Slot::RenewToken,
+                Queued::RenewToken(Box::new(pb::RenewToken {
+                    token: String::new(),
+                    expires_at_unix: at,
+                })),
+            ),
+            Op::Take(_) => return None,
+        })
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0..12u8, proptest::option::of(0..3u8)).prop_map(|(k, h)| Op::Push(k, h)),
+            1 => (0..3u32).prop_map(Op::Sync),
+            1 => (0..3i64).prop_map(Op::Renew),
+            2 => (1..5usize).prop_map(Op::Take),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+        #[test]
+        fn the_initial_list_sends_what_one_map_would(
+            // Mostly in key order, as the index lists it; sometimes not, or repeated.
+            mut initial in proptest::collection::vec((0..12u8, proptest::option::of(0..3u8)), 0..10),
+            sort in any::<bool>(),
+            ops in proptest::collection::vec(op(), 0..40),
+        ) {
+            if sort {
+                initial.sort_by_key(|&(k, _)| key(k));
+                initial.dedup_by_key(|&mut (k, _)| k);
+            }
+            let mut queue = Pending::default();
+            let mut oracle: IndexMap<Slot, Queued> = IndexMap::new();
+            queue.start(initial.iter().map(|&(k, h)| (key(k), change(h))).collect());
+            for &(k, h) in &initial {
+                oracle.insert(Slot::Object(key(k)), Queued::Change(change(h)));
+            }
+            for op in ops.iter().chain([&Op::Take(usize::MAX)]) {
+                match (op, message(op)) {
+                    (Op::Take(max), _) => {
+                        let n = oracle.len().min(*max);
+                        let expected: Vec<pb::HubMessage> =
+                            oracle.drain(..n).map(|(slot, q)| q.into_message(slot)).collect();
+                        prop_assert_eq!(queue.take(*max), expected);
+                    }
+                    (_, Some((slot, queued))) => {
+                        queue.push(slot, queued);
+                        let (slot, queued) = message(op).unwrap();
+                        oracle.insert(slot, queued);
+                    }
+                    (_, None) => unreachable!(),
+                }
+                prop_assert_eq!(queue.len(), oracle.len());
+            }
+            prop_assert!(queue.is_empty());
+            prop_assert_eq!(queue.initial.capacity(), 0, "its room is freed once sent");
+        }
     }
 }
 
