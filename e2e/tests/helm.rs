@@ -17,8 +17,9 @@ use anyhow::{Context, Result, bail, ensure};
 use flotilla_crds::{FederatedMyApp, MyApp};
 use flotilla_lab::federation::wait_member_ready;
 use flotilla_lab::hubcli::HubCli;
+use flotilla_lab::provider::realnode::pods::HUB_NODE_PORT;
 use flotilla_lab::provider::{kind, realnode};
-use flotilla_lab::support::{cargo_binaries, workspace_root};
+use flotilla_lab::support::{cached_tool, cargo_binaries, workspace_root};
 use flotilla_lab::{Env, Provider, await_object, wait_for};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
@@ -30,32 +31,10 @@ const NS: &str = "flotilla-system";
 const TIMEOUT: Duration = Duration::from_secs(180);
 const HOST: &str = "helm-host";
 const MEMBER: &str = "helm-member";
-/// The chart's NodePort for the hub's gRPC (`hub.service.nodePort`).
-const NODE_PORT: u16 = 30743;
 
-/// The newest `~/.cache/flotilla/tools/helm-*/helm` (`deploy/verify.sh` builds it).
+/// The helm that `deploy/verify.sh` caches.
 fn helm() -> Result<PathBuf> {
-    let tools =
-        PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/flotilla/tools");
-    let mut found: Vec<PathBuf> = std::fs::read_dir(&tools)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("helm-"))
-        })
-        .collect();
-    found.sort();
-    let dir = found.pop().with_context(|| {
-        format!(
-            "no helm-* in {}: run `bash deploy/verify.sh` first (it builds helm)",
-            tools.display()
-        )
-    })?;
-    Ok(dir.join("helm"))
+    Ok(cached_tool("helm-")?.join("helm"))
 }
 
 fn helm_run(helm: &Path, kubeconfig: &Path, args: &[&str]) -> Result<String> {
@@ -162,7 +141,7 @@ async fn helm_installs_a_hub_and_an_agent_that_federate() -> Result<()> {
     let host = client_from(host_kc).await?;
     let member = client_from(member_kc).await?;
     let hub_ip = kind::node_address(&clusters.0[0])?;
-    let hub_address = format!("{hub_ip}:{NODE_PORT}");
+    let hub_address = format!("{hub_ip}:{HUB_NODE_PORT}");
 
     // The hub: its serving certificate first (the Secret the chart's hub mounts).
     let cli = HubCli {
@@ -194,7 +173,7 @@ async fn helm_installs_a_hub_and_an_agent_that_federate() -> Result<()> {
     Api::<Secret>::namespaced(host.clone(), NS)
         .create(&PostParams::default(), &secret)
         .await?;
-    let port = NODE_PORT.to_string();
+    let port = HUB_NODE_PORT.to_string();
     let hub_values = [
         ("hub.image.repository", hub_repo.as_str()),
         ("hub.image.tag", hub_tag.as_str()),

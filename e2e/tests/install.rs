@@ -14,41 +14,12 @@ use anyhow::{Context, Result};
 use flotilla_e2e::run_against as run;
 use flotilla_lab::Env;
 use flotilla_lab::federation::Federation;
-use flotilla_lab::support::workspace_root;
+use flotilla_lab::support::{cached_tool, workspace_root};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Api;
 
 /// Both tests write to the host (its MyApp CRD, `flotilla-system`): one at a time.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn tools() -> PathBuf {
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_default();
-    home.join(".cache/flotilla/tools")
-}
-
-/// The newest cached directory whose name starts with `prefix`.
-fn cached(prefix: &str) -> Result<PathBuf> {
-    let mut found: Vec<PathBuf> = std::fs::read_dir(tools())
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(prefix))
-        })
-        .collect();
-    found.sort();
-    found.pop().with_context(|| {
-        format!(
-            "no {prefix}* in {}: run `bash deploy/verify.sh` first (it builds the tools this test uses)",
-            tools().display()
-        )
-    })
-}
 
 fn kubectl() -> PathBuf {
     PathBuf::from("kubectl")
@@ -79,7 +50,7 @@ async fn manifests_pass_a_server_side_dry_run() -> Result<()> {
     let host = env.kubeconfig(env.host())?.to_path_buf();
     namespace(&host)?;
     // The monitoring overlays need the Prometheus Operator's CRDs.
-    let crds = cached("prometheus-operator-crds-")?;
+    let crds = cached_tool("prometheus-operator-crds-")?;
     for kind in ["servicemonitors", "prometheusrules"] {
         let file = crds.join(format!("monitoring.coreos.com_{kind}.yaml"));
         let text = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
@@ -119,7 +90,7 @@ async fn manifests_pass_a_server_side_dry_run() -> Result<()> {
     }
 
     // The chart, hub and agent, with its Prometheus Operator objects.
-    let helm = cached("helm-")?.join("helm");
+    let helm = cached_tool("helm-")?.join("helm");
     let chart = run(
         &helm,
         &[
@@ -653,7 +624,7 @@ async fn narrowed_agent(source: Narrowed) -> Result<()> {
     let result = async {
         let manifests = match source {
             Narrowed::Chart => run(
-                &cached("helm-")?.join("helm"),
+                &cached_tool("helm-")?.join("helm"),
                 &[
                     "template",
                     "narrowed",

@@ -26,6 +26,31 @@ pub fn stdout_of(what: impl std::fmt::Display, out: std::process::Output) -> Res
 }
 
 /// The workspace root, known at compile time (the binaries and the tests live in it).
+/// The newest directory under `~/.cache/flotilla/tools` whose name starts with `prefix`
+/// (`deploy/verify.sh` builds them: helm, controller-gen, the Prometheus CRDs, …).
+pub fn cached_tool(prefix: &str) -> Result<PathBuf> {
+    let tools =
+        PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/flotilla/tools");
+    let mut found: Vec<PathBuf> = std::fs::read_dir(&tools)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(prefix))
+        })
+        .collect();
+    found.sort();
+    found.pop().with_context(|| {
+        format!(
+            "no {prefix}* in {}: run `bash deploy/verify.sh` first (it builds the tools the tests use)",
+            tools.display()
+        )
+    })
+}
+
 pub fn workspace_root() -> PathBuf {
     let lab = Path::new(env!("CARGO_MANIFEST_DIR"));
     lab.parent().unwrap_or(lab).to_path_buf()
