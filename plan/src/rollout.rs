@@ -274,8 +274,11 @@ pub fn gate(
     walk.held
         .retain(|c| !known_good.contains(targets[c].as_str()));
     for c in &walk.held {
-        // Each is a key already: the map keeps its shared name, not this copy.
-        plan.clusters.insert(c.as_str().into(), HELD);
+        // Each is a key already, with its shared name: no new copy of it.
+        match plan.clusters.get_mut(c.as_str()) {
+            Some(planned) => *planned = HELD,
+            None => _ = plan.clusters.insert(c.as_str().into(), HELD),
+        }
     }
     let view = View {
         waves: &waves,
