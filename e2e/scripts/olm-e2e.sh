@@ -5,6 +5,11 @@
 # builds of the lab (`cargo build -p flotilla-agent -p flotilla-hub`).
 #
 #   e2e/scripts/olm-e2e.sh
+#   e2e/scripts/olm-e2e.sh --real-nodes     (or OLM_E2E_NODES=real; as root)
+#
+# --real-nodes runs the same steps on the lab's real nodes, every image from a loopback
+# registry and everything OLM deploys a real Pod: e2e/scripts/olm-e2e-real.sh, which
+# says what it needs. What follows is the default mode, on KWOK nodes.
 #
 # What runs: a lab of its own (host + 1 member, in $OLM_E2E_DIR/lab; not beside
 # another running lab, whose ports it would take), then OLM's CRDs in the lab's host,
@@ -39,6 +44,11 @@
 #    CRD's conversion took to be OLM's again after the tenant's InstallPlan.
 # Everything is taken down at the end, the lab included.
 set -euo pipefail
+
+if [[ ${1:-} == --real-nodes || ${OLM_E2E_NODES:-} == real ]]; then
+  exec bash "$(dirname "$0")/olm-e2e-real.sh"
+fi
+[[ $# == 0 ]] || { echo "olm-e2e: unknown argument $1 (see the head of $0)" >&2; exit 1; }
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 W="${OLM_E2E_DIR:-/tmp/flotilla-olm-e2e}"

@@ -355,8 +355,21 @@ fn containerd_config(node: &Path) -> String {
         \x20       SystemdCgroup = false\n\
         \x20 [plugins.\"io.containerd.grpc.v1.cri\".cni]\n\
         \x20   bin_dir = \"{CNI_BIN_DIR}\"\n\
-        \x20   conf_dir = \"/etc/cni/net.d\"\n"
+        \x20   conf_dir = \"/etc/cni/net.d\"\n\
+        \x20 # Registries: <dir>/<host:port>/hosts.toml, read at each pull (none by default).\n\
+        \x20 [plugins.\"io.containerd.grpc.v1.cri\".registry]\n\
+        \x20   config_path = \"{hosts}\"\n",
+        hosts = registry_hosts_dir(node).display()
     )
+}
+
+/// Where the node's containerd reads its registries' configuration: a directory per
+/// registry host (`127.0.0.1:5000/hosts.toml`, containerd's `config_path` layout), read at
+/// each pull, so that a registry can be added to a running node (e2e/scripts/olm-e2e.sh
+/// `--real-nodes` points one at a registry on the host, over plain HTTP). Empty: every
+/// pull goes to the registry the image names, over HTTPS.
+pub fn registry_hosts_dir(node: &Path) -> PathBuf {
+    node.join("certs.d")
 }
 
 fn kubelet_config(node: &Path, ip: &str, cgroup_root: &str, client_ca: &Path) -> String {
@@ -962,6 +975,19 @@ mod tests {
         let c = containerd_config(node);
         assert!(c.contains("address = \"/e2e/nodes/cluster2/containerd.sock\""));
         assert!(c.contains(PAUSE_IMAGE));
+        let toml_value = |key: &str| {
+            c.lines()
+                .find_map(|l| l.trim().strip_prefix(&format!("{key} = ")))
+                .map(|v| v.trim_matches('"').to_string())
+        };
+        assert_eq!(
+            toml_value("config_path").as_deref(),
+            Some("/e2e/nodes/cluster2/certs.d")
+        );
+        assert_eq!(
+            registry_hosts_dir(node),
+            Path::new("/e2e/nodes/cluster2/certs.d")
+        );
         let k: serde_yaml::Value = serde_yaml::from_str(&kubelet_config(
             node,
             "10.213.7.12",

@@ -21,7 +21,7 @@ use oci_spec::image::{
 };
 use serde::Serialize;
 use sha2::{Digest as _, Sha256};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 /// What one entry of the layer holds.
@@ -83,6 +83,8 @@ pub struct ImageSpec {
     pub user: String,
     pub exposed_ports: Vec<u16>,
     pub env: Vec<String>,
+    /// The image config's labels (an OLM bundle image's annotations, for one).
+    pub labels: BTreeMap<String, String>,
 }
 
 /// The numeric user of both images (distroless's `nonroot`): a number, so that the
@@ -111,6 +113,7 @@ pub fn flotilla_image(component: &str, binary: &Path, tag: &str) -> ImageSpec {
         user: format!("{NONROOT}:{NONROOT}"),
         exposed_ports: ports,
         env: vec!["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()],
+        labels: BTreeMap::new(),
     }
 }
 
@@ -123,7 +126,56 @@ pub fn pause_image(pause: &Path, name: &str) -> ImageSpec {
         user: "65535:65535".into(),
         exposed_ports: Vec::new(),
         env: Vec::new(),
+        labels: BTreeMap::new(),
     }
+}
+
+/// The entries that put the tree at `src` (a file or a directory) at `dest` in the image:
+/// its parent directories first (mode 0755), then every directory and regular file under
+/// it, sorted by path, with their modes (what a Dockerfile's `COPY src dest` gives, owned
+/// by root). Symbolic links are refused: nothing here needs them.
+pub fn tree(src: &Path, dest: &str) -> Result<Vec<Entry>> {
+    let dest = format!("/{}", dest.trim_matches('/'));
+    let mut entries = Vec::new();
+    let mut parent = String::new();
+    for part in dest
+        .split('/')
+        .filter(|p| !p.is_empty())
+        .rev()
+        .skip(1)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+    {
+        parent = format!("{parent}/{part}");
+        entries.push(Entry::dir(&parent, 0o755));
+    }
+    add_tree(src, &dest, &mut entries)?;
+    Ok(entries)
+}
+
+fn add_tree(src: &Path, dest: &str, entries: &mut Vec<Entry>) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta =
+        std::fs::symlink_metadata(src).with_context(|| format!("reading {}", src.display()))?;
+    let mode = meta.permissions().mode() & 0o7777;
+    if meta.is_file() {
+        entries.push(Entry::file(dest, src, mode));
+    } else if meta.is_dir() {
+        entries.push(Entry::dir(dest, mode));
+        let mut children: Vec<_> = std::fs::read_dir(src)?.collect::<std::io::Result<_>>()?;
+        children.sort_by_key(std::fs::DirEntry::file_name);
+        for child in children {
+            let name = child.file_name();
+            let name = name
+                .to_str()
+                .with_context(|| format!("{:?}: not UTF-8", child.path()))?;
+            add_tree(&child.path(), &format!("{dest}/{name}"), entries)?;
+        }
+    } else {
+        anyhow::bail!("{}: neither a file nor a directory", src.display());
+    }
+    Ok(())
 }
 
 /// The files of distroless/static that the binaries or the kubelet look at.
@@ -202,12 +254,16 @@ fn layer(entries: &[Entry]) -> Result<Vec<u8>> {
 /// The image config: how to run it, and the digest of its one (uncompressed) layer.
 fn image_config(spec: &ImageSpec, layer: &Digest) -> Result<ImageConfiguration> {
     let ports = spec.exposed_ports.iter().map(|p| format!("{p}/tcp"));
-    let config = ConfigBuilder::default()
+    let mut config = ConfigBuilder::default()
         .user(spec.user.clone())
         .entrypoint(spec.entrypoint.clone())
         .env(spec.env.clone())
-        .exposed_ports(ports.collect::<Vec<_>>())
-        .build()?;
+        .exposed_ports(ports.collect::<Vec<_>>());
+    // Only when there are some: the hub's and the agent's configs stay as they were.
+    if !spec.labels.is_empty() {
+        config = config.labels(spec.labels.clone().into_iter().collect::<HashMap<_, _>>());
+    }
+    let config = config.build()?;
     let rootfs = RootFsBuilder::default()
         .typ("layers")
         .diff_ids(vec![layer.to_string()])
@@ -380,6 +436,56 @@ mod tests {
             }
         }
         assert_eq!(found, Some(0o755));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_tree_is_copied_with_its_parents_and_the_labels_reach_the_config() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("flotilla-oci-tree-{}", std::process::id()));
+        let src = dir.join("0.1.0");
+        std::fs::create_dir_all(src.join("manifests")).unwrap();
+        std::fs::write(
+            src.join("manifests/csv.yaml"),
+            b"kind: ClusterServiceVersion\n",
+        )
+        .unwrap();
+        std::fs::write(src.join("tool"), b"#!").unwrap();
+        std::fs::set_permissions(src.join("tool"), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let entries = tree(&src, "/opt/bundle").unwrap();
+        let paths: Vec<(&str, u32)> = entries.iter().map(|e| (e.path.as_str(), e.mode)).collect();
+        assert_eq!(paths[0], ("/opt", 0o755));
+        assert_eq!(paths[1].0, "/opt/bundle");
+        assert_eq!(paths[2].0, "/opt/bundle/manifests");
+        assert_eq!(paths[3].0, "/opt/bundle/manifests/csv.yaml");
+        assert_eq!(paths[4], ("/opt/bundle/tool", 0o755));
+        assert_eq!(
+            tree(&src.join("tool"), "bin/tool").unwrap()[1].path,
+            "/bin/tool"
+        );
+
+        let mut spec = pause_image(&src.join("tool"), "127.0.0.1:5000/x/bundle:v0.1.0");
+        spec.entries = entries;
+        spec.labels = BTreeMap::from([(
+            "operators.operatorframework.io.bundle.package.v1".to_string(),
+            "flotilla-myapp-api".to_string(),
+        )]);
+        write_archive(&spec, &dir.join("bundle.tar")).unwrap();
+        let files = read_archive(&dir.join("bundle.tar"));
+        let config = files
+            .values()
+            .filter_map(|b| serde_json::from_slice::<serde_json::Value>(b).ok())
+            .find(|v| v.get("rootfs").is_some())
+            .unwrap();
+        assert_eq!(
+            config["config"]["Labels"]["operators.operatorframework.io.bundle.package.v1"],
+            "flotilla-myapp-api"
+        );
+        // Without labels, the config has none (the hub's and agent's digests stay).
+        let plain =
+            canonical(&image_config(&pause_image(&src.join("tool"), "p:1"), &digest(b"")).unwrap())
+                .unwrap();
+        assert!(!String::from_utf8(plain).unwrap().contains("Labels"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
