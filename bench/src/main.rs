@@ -24,6 +24,7 @@ mod footprint;
 mod hostwrites;
 mod join;
 mod latency;
+mod members;
 mod procstat;
 mod stats;
 
@@ -223,6 +224,12 @@ enum Scenario {
     /// The hub's writes to a real host apiserver with K simulated clusters (converge, idle,
     /// flaps, hub restart); brings the environment up and down if none is running
     Hostwrites(hostwrites::Size),
+    /// The hub's MemberCluster watch when every cluster turns NotReady and Ready again,
+    /// every agent connected, against the store alone (in this process)
+    Members {
+        #[arg(long, default_value_t = 10_000)]
+        clusters: usize,
+    },
     /// A server for the fan-out scenarios, run by them in a child process
     #[command(hide = true)]
     Serve {
@@ -274,6 +281,7 @@ async fn run(scenario: Scenario, json: bool, dir: &Path) -> Result<()> {
             false => fanout::sweep(size, &sweep_apps, svg.as_deref()).await?,
         },
         Scenario::Resync(size) => fanout::resync(size).await?,
+        Scenario::Members { clusters } => members::members(clusters).await?,
         Scenario::Latency { samples, svg } => {
             on_environment(dir, "latency", |env| async move {
                 latency::latency(&env, samples, svg.as_deref()).await

@@ -558,6 +558,11 @@ impl Dispatcher {
         }
     }
 
+    /// The cluster's connected session.
+    pub fn session(&self, cluster: &str) -> Option<Arc<ClusterQueue>> {
+        self.state.lock().sessions.get(cluster).cloned()
+    }
+
     /// The connected sessions.
     pub fn sessions(&self) -> Vec<Arc<ClusterQueue>> {
         self.state.lock().sessions.values().cloned().collect()

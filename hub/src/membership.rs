@@ -231,7 +231,10 @@ pub async fn watch_members(
                 }
             }
         }
-        let moved = match &event {
+        // The one cluster the event is about; `None` after a (re-)list, which may have
+        // changed any of them. The work per event is that cluster's, not the fleet's: a
+        // fleet-wide change is one event per cluster.
+        let (moved, named) = match &event {
             watcher::Event::Init | watcher::Event::InitApply(_) => continue,
             watcher::Event::InitDone => {
                 let relisted = Fleet::of(&members);
@@ -239,21 +242,32 @@ pub async fn watch_members(
                 // The first list is news to the planner even when the fleet is empty.
                 moved.shape |= !listed;
                 (fleet, listed) = (relisted, true);
-                moved
+                (moved, None)
             }
-            watcher::Event::Apply(member) => fleet.apply(member),
-            watcher::Event::Delete(member) => fleet.delete(&member.name_any()),
+            watcher::Event::Apply(member) => (fleet.apply(member), Some(member.name_any())),
+            watcher::Event::Delete(member) => {
+                let name = member.name_any();
+                (fleet.delete(&name), Some(name))
+            }
         };
-        // Every session: a token also expires with time, not only with its own
-        // cluster's events.
-        for session in dispatcher.sessions() {
+        // A credential revoked or rotated, or its MemberCluster deleted, is an event of
+        // that cluster's own; one that expires with time is the renewer's (its tick
+        // ends such sessions, `renew.rs`).
+        let sessions = match &named {
+            Some(name) => dispatcher.session(name).into_iter().collect(),
+            None => dispatcher.sessions(),
+        };
+        for session in sessions {
             if auth::revoked(&members, &session.identity()) {
                 info!(cluster = %session.cluster(), "credential revoked or rotated, or MemberCluster deleted: closing its session");
                 dispatcher.close(session.cluster());
             }
         }
         if let Some(status) = membership.status.as_ref().filter(|_| moved.ready) {
-            status.set_reachable(fleet.ready().clone());
+            match &named {
+                Some(name) => status.set_ready(name, fleet.ready().contains(name)),
+                None => status.set_reachable(fleet.ready().clone()),
+            }
         }
         if moved.shape {
             changed.send_modify(|c| c.clusters += 1);

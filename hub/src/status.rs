@@ -354,6 +354,25 @@ impl StatusBoard {
         self.dirty.mark_all(keys);
     }
 
+    /// One cluster's `Ready` changed (a MemberCluster event), at the cost of that
+    /// cluster, not of the fleet. A cluster that is no longer Ready is no longer heard:
+    /// its agent gives its reports again when it returns.
+    pub fn set_ready(&self, cluster: &str, ready: bool) {
+        let mut b = self.board.lock();
+        if b.reachable.contains(cluster) == ready {
+            return;
+        }
+        if ready {
+            Arc::make_mut(&mut b.reachable).insert(cluster.to_owned());
+        } else {
+            Arc::make_mut(&mut b.reachable).remove(cluster);
+            Arc::make_mut(&mut b.heard).remove(cluster);
+        }
+        let keys = b.apps_on(cluster);
+        drop(b);
+        self.dirty.mark_all(keys);
+    }
+
     #[cfg(test)]
     pub(crate) fn reachable(&self) -> HashSet<String> {
         (*self.board.lock().reachable).clone()

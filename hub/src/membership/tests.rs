@@ -659,3 +659,66 @@ async fn the_board_learns_the_ready_clusters_when_a_list_completes() {
         HashSet::from(["c2".to_owned()])
     );
 }
+
+/// A credential revoked or rotated is its own MemberCluster's event: that event closes
+/// the cluster's session (a list closes every such session); an expired one is the
+/// renewer's (`renew.rs`).
+#[tokio::test]
+async fn a_rotated_credential_closes_its_clusters_session_on_its_event() {
+    use crate::auth::Identity;
+    use flotilla_plan::index::Scope;
+    use watcher::Event::{Apply, Init, InitApply, InitDone};
+    let holding = |name: &str, hash: &str| {
+        let mut m = member(name, true);
+        m.spec.token_sha256 = Some(hash.to_owned());
+        m
+    };
+    let dispatcher = Arc::new(Dispatcher::default());
+    let connect = |cluster: &str, hash: &str| {
+        let identity = Identity {
+            cluster: cluster.into(),
+            token_hash: hash.into(),
+        };
+        (dispatcher.connect(&identity, &HashMap::new(), Scope::All)).unwrap()
+    };
+    let (c1, c2, c3) = (
+        connect("c1", "h1"),
+        connect("c2", "h2"),
+        connect("c3", "h3"),
+    );
+    let events = [
+        Init,
+        InitApply(holding("c1", "h1")),
+        InitApply(holding("c2", "h2")),
+        // c3's was rotated before the list: the list closes it.
+        InitApply(holding("c3", "h3-new")),
+        InitDone,
+        Apply(holding("c2", "h2")),
+        Apply(holding("c1", "h1-rotated")),
+    ];
+    let (members, writer) = reflector::store::<MemberCluster>();
+    let events = reflector(writer, futures::stream::iter(events.map(Ok)));
+    let (changed, _changes) = watch::channel(MemberChanges::default());
+    let client =
+        kube::Client::try_from(kube::Config::new("http://127.0.0.1:9".parse().unwrap())).unwrap();
+    let membership = Arc::new(Membership::new(Duration::from_secs(40)));
+    let ended = watch_members(
+        events,
+        members,
+        dispatcher.clone(),
+        membership,
+        changed,
+        client,
+    );
+    assert!(ended.await.is_err(), "a watch that ends is an error");
+    assert!(c1.closed.is_cancelled(), "rotated: closed on its own event");
+    assert!(!c2.closed.is_cancelled(), "its token is current");
+    assert!(
+        c3.closed.is_cancelled(),
+        "rotated before the list: closed by it"
+    );
+    let open: Vec<String> = (dispatcher.sessions().iter())
+        .map(|q| q.cluster().to_owned())
+        .collect();
+    assert_eq!(open, ["c2"]);
+}

@@ -197,6 +197,69 @@ async fn readiness_marks_the_apps_on_the_clusters_that_changed_only() {
     assert_eq!(marked(&board).await, [a]);
 }
 
+/// One cluster's readiness (a MemberCluster event) does to the board what the whole set
+/// with that one change does: the same Ready clusters, the same apps marked, and a
+/// cluster that turned NotReady waits to be heard again once it is back.
+#[tokio::test]
+async fn one_clusters_readiness_is_the_whole_set_with_that_change() {
+    let (one, whole) = (StatusBoard::default(), StatusBoard::default());
+    let apps: [(&str, &[&str]); 4] = [
+        ("a", &["c1"]),
+        ("b", &["c2"]),
+        ("c", &["c1", "c3"]),
+        ("d", &["c4"]),
+    ];
+    for board in [&one, &whole] {
+        for (name, clusters) in apps {
+            let placed: Vec<_> = clusters.iter().map(|c| (*c, rendered("h"))).collect();
+            board.set_plan(&AppKey::new("ns", name), plan(&placed));
+        }
+        marked(board).await;
+    }
+    let unheard = |board: &StatusBoard| {
+        let mut unheard = board.snapshot([]).unheard;
+        unheard.sort();
+        unheard
+    };
+    let mut ready = HashSet::new();
+    let steps = [
+        ("c1", true),
+        ("c2", true),
+        ("c1", true),
+        ("c1", false),
+        ("c3", true),
+        ("c2", false),
+        ("c1", true),
+        ("c9", true),
+        ("c3", false),
+    ];
+    for (at, (cluster, is_ready)) in steps.into_iter().enumerate() {
+        match is_ready {
+            true => ready.insert(cluster.to_owned()),
+            false => ready.remove(cluster),
+        };
+        one.set_ready(cluster, is_ready);
+        whole.set_reachable(ready.clone());
+        assert_eq!(one.reachable(), whole.reachable(), "step {at}");
+        assert_eq!(marked(&one).await, marked(&whole).await, "step {at}");
+        assert_eq!(unheard(&one), unheard(&whole), "step {at}");
+        if at == 6 {
+            assert_eq!(
+                unheard(&one),
+                ["c1"],
+                "back after its NotReady: heard again"
+            );
+        }
+        // Every other step, the Ready clusters' agents heartbeat.
+        if at % 2 == 1 {
+            for board in [&one, &whole] {
+                ready.iter().for_each(|c| board.heard(c));
+                marked(board).await;
+            }
+        }
+    }
+}
+
 /// DESIGN rule 7: a session that ends and returns within the grace writes nothing. The
 /// server tells the board nothing of sessions; the reports stay, the cluster stays
 /// reachable, and the status computed before and after is the same.
