@@ -17,6 +17,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use arcstr::ArcStr;
 use flotilla_crds::FederatedMyApp;
 use flotilla_crds::federated::FederatedMyAppStatus;
 use flotilla_plan::index::AppKey;
@@ -117,7 +118,7 @@ struct Board {
 /// hashes (an app's clusters mostly run the same bytes), a million times on a big hub.
 #[derive(Default)]
 struct Interner {
-    set: HashSet<Arc<str>>,
+    set: HashSet<ArcStr>,
     /// Its size after the last sweep: strings nothing else holds any more are dropped
     /// when it has doubled, so it stays within twice what the reports hold (and a
     /// member that sends a new hash with every report cannot grow it).
@@ -128,15 +129,16 @@ impl Interner {
     /// Strings kept before the first sweep.
     const FLOOR: usize = 1024;
 
-    fn get(&mut self, s: &str) -> Arc<str> {
+    fn get(&mut self, s: &str) -> ArcStr {
         if let Some(shared) = self.set.get(s) {
             return shared.clone();
         }
         if self.set.len() >= 2 * self.swept.max(Self::FLOOR) {
-            self.set.retain(|shared| Arc::strong_count(shared) > 1);
+            self.set
+                .retain(|shared| ArcStr::strong_count(shared) > Some(1));
             self.swept = self.set.len();
         }
-        let shared: Arc<str> = s.into();
+        let shared = ArcStr::from(s);
         self.set.insert(shared.clone());
         shared
     }
@@ -147,7 +149,7 @@ impl Interner {
 struct Rollout {
     /// By cluster: the hash and readiness last seen, and since when this hub sees them
     /// (a rollout's soak and deadline count from it).
-    since: HashMap<Arc<str>, (Arc<str>, bool, std::time::Instant)>,
+    since: HashMap<ArcStr, (ArcStr, bool, std::time::Instant)>,
     /// Reports that moved the rollout so far.
     moved: u64,
     /// `moved` when the planner last read the reports, and when the plan on the board
@@ -291,7 +293,7 @@ impl StatusBoard {
             let (ready, _, _) = rollout_view(&report);
             let rollout = b.rollouts.entry(key.clone()).or_default();
             rollout.moved += 1;
-            let same = |(h, r, _): &(Arc<str>, bool, _)| *h == report.hash && *r == ready;
+            let same = |(h, r, _): &(ArcStr, bool, _)| *h == report.hash && *r == ready;
             if !rollout.since.get(&cluster).is_some_and(same) {
                 let seen = (report.hash.clone(), ready, std::time::Instant::now());
                 rollout.since.insert(cluster.clone(), seen);

@@ -10,7 +10,6 @@
 //! readiness and the capacity its agent last reported.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
-use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_crds::MemberCluster;
@@ -64,8 +63,8 @@ impl Member {
 
 /// A registered cluster's name, shared: a big hub holds one per (cluster, app) in its
 /// plans, schedules and index, and each of them is a handle to the copy in [`Members`]
-/// (16 bytes, not a string of its own).
-pub type ClusterName = Arc<str>;
+/// (one pointer, 8 bytes, not a string of its own).
+pub type ClusterName = arcstr::ArcStr;
 
 /// Registered member clusters by name.
 pub type Members = BTreeMap<ClusterName, Member>;
@@ -426,10 +425,10 @@ mod tests {
         let first = kept.registered_of([&c1, &c2]);
         let second = kept.registered_of([&c1, &c2]);
         for (a, b) in first.keys().zip(second.keys()) {
-            assert!(Arc::ptr_eq(a, b), "{a} is copied, not shared");
+            assert!(ClusterName::ptr_eq(a, b), "{a} is copied, not shared");
         }
         let without = kept.registered_of([&c1]);
-        assert!(Arc::ptr_eq(
+        assert!(ClusterName::ptr_eq(
             first.get_key_value("c1").unwrap().0,
             without.get_key_value("c1").unwrap().0
         ));

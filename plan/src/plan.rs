@@ -11,6 +11,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use arcstr::ArcStr;
 use flotilla_crds::FederatedMyApp;
 use flotilla_crds::bounds::Bounds;
 use flotilla_crds::federated::SchedulingReason;
@@ -30,7 +31,9 @@ pub const UNKNOWN_CLUSTER: &str =
 /// What status says of a cluster that failed over.
 pub const FAILED_OVER: &str = "NotReady past the failover grace period: its replicas moved to other clusters; its MyApp is left as it is until the cluster is Ready again";
 
-/// What the planner decided for one cluster.
+/// What the planner decided for one cluster. A big hub's plans hold one per (cluster,
+/// app), a million of them, so it stays two words: what is rare (a render error, a
+/// namespace not granted) sits behind a pointer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClusterPlan {
     /// Exactly this MyApp (shared by the clusters that got the same bytes).
@@ -41,6 +44,8 @@ pub enum ClusterPlan {
     /// send, and nothing there to keep.
     Unknown,
 }
+
+const _: () = assert!(size_of::<ClusterPlan>() <= 16);
 
 /// A cluster a rollout holds back, as it is.
 pub const HELD: ClusterPlan = ClusterPlan::Keep(KeepReason::Held { resized: None });
@@ -67,7 +72,7 @@ pub enum KeepReason {
     /// ([`crate::grants`]): nothing new goes there and what runs there stays (a grant
     /// withdrawn is not a deletion). `named`: `spec.placement.clusters` names it, and
     /// status says so; one a selector matches is left out of status.
-    NotGranted { namespace: String, named: bool },
+    NotGranted { namespace: ArcStr, named: bool },
 }
 
 impl ClusterPlan {
@@ -310,11 +315,11 @@ fn placed(
     for cluster in decision.unknown {
         clusters.push((cluster, ClusterPlan::Unknown));
     }
-    let namespace = app.metadata.namespace.as_deref().unwrap_or("default");
+    let namespace = ArcStr::from(app.metadata.namespace.as_deref().unwrap_or("default"));
     let named = app.spec.placement.clusters.is_some();
     for cluster in decision.not_granted {
         let reason = KeepReason::NotGranted {
-            namespace: namespace.to_owned(),
+            namespace: namespace.clone(),
             named,
         };
         clusters.push((cluster, ClusterPlan::Keep(reason)));

@@ -28,9 +28,9 @@
 //! it: a hub restart starts a soak (and a deadline) again.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arcstr::ArcStr;
 use flotilla_crds::FederatedMyApp;
 use flotilla_crds::federated::{CompletedRevision, Rollout, RolloutStatus, RolloutType};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -61,7 +61,7 @@ pub fn progressive(app: &FederatedMyApp) -> bool {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Seen {
     /// The content hash of the MyApp the member runs (the status board's shared copy).
-    pub hash: Arc<str>,
+    pub hash: ArcStr,
     /// Ready, at its latest generation.
     pub ready: bool,
     /// Its `Degraded` condition, in words, when True.
@@ -73,7 +73,7 @@ pub struct Seen {
 }
 
 /// What the hub saw of an app, by cluster.
-pub type Observed = BTreeMap<Arc<str>, Seen>;
+pub type Observed = BTreeMap<ArcStr, Seen>;
 
 /// Where one placed cluster stands against the revision it should run.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -13,8 +13,8 @@
 //! the whole division in compact form. [`detail`] is the same fold with nothing left out.
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::Arc;
 
+use arcstr::ArcStr;
 use flotilla_crds::condition;
 use flotilla_crds::federated::{
     ClusterStatus, FULL_LIST_MAX, FederatedMyAppStatus, RolloutStatus, URGENT_MAX,
@@ -33,11 +33,11 @@ pub const CONDITION_MESSAGE_MAX: usize = 1024;
 
 /// What an agent last said about one MyApp: the wire's `StatusReport`, as the hub
 /// reads it. A hub holds one per (app, cluster), a million on a big fleet, so a healthy
-/// report is small: the hash is shared ([`Arc`]) and the words are boxed.
+/// report is small: the hash is shared ([`ArcStr`], one pointer) and the words are boxed.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Report {
     /// The content hash of the MyApp the status belongs to.
-    pub hash: Arc<str>,
+    pub hash: ArcStr,
     pub exists: bool,
     pub ready: bool,
     pub ready_replicas: i32,
@@ -50,8 +50,10 @@ pub struct Report {
     pub words: Option<Box<Words>>,
 }
 
+const _: () = assert!(size_of::<Report>() <= 48);
+
 /// One app's reports by cluster; the hub shares one name per cluster among them.
-pub type Reports = BTreeMap<Arc<str>, Report>;
+pub type Reports = BTreeMap<ArcStr, Report>;
 
 /// What a report says in words: rare on a healthy fleet.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -634,8 +636,9 @@ mod bounded;
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::sync::Arc;
 
+    use super::*;
     use crate::admission::Refusal;
     use crate::placement::SelectorError;
     use flotilla_crds::tenancy::{Forbidden, Rule};

@@ -568,13 +568,13 @@ fn reports_share_one_copy_of_each_cluster_name_and_hash() {
         }
     }
     let board = board.board.lock();
-    let held: Vec<(&Arc<str>, &Report)> = (board.reports.values())
+    let held: Vec<(&ArcStr, &Report)> = (board.reports.values())
         .flat_map(|reports| reports.iter())
         .collect();
     assert_eq!(held.len(), 4);
     let (c1, hash) = (held[0].0, &held[0].1.hash);
-    assert!(held.iter().all(|(_, r)| Arc::ptr_eq(&r.hash, hash)));
-    let c1s = held.iter().filter(|(c, _)| Arc::ptr_eq(c, c1)).count();
+    assert!(held.iter().all(|(_, r)| ArcStr::ptr_eq(&r.hash, hash)));
+    let c1s = held.iter().filter(|(c, _)| ArcStr::ptr_eq(c, c1)).count();
     assert_eq!(c1s, 2, "both apps' reports of c1 hold one name");
 }
 
@@ -583,7 +583,7 @@ fn reports_share_one_copy_of_each_cluster_name_and_hash() {
 #[test]
 fn the_interner_drops_strings_nothing_holds() {
     let mut strings = Interner::default();
-    let kept: Vec<Arc<str>> = (0..100)
+    let kept: Vec<ArcStr> = (0..100)
         .map(|i| strings.get(&format!("kept-{i}")))
         .collect();
     let mut latest = strings.get("hash-0");
@@ -599,5 +599,5 @@ fn the_interner_drops_strings_nothing_holds() {
         kept.iter().all(|k| strings.set.contains(k)),
         "held strings stay"
     );
-    assert!(Arc::ptr_eq(&strings.get("hash-99999"), &latest));
+    assert!(ArcStr::ptr_eq(&strings.get("hash-99999"), &latest));
 }

@@ -217,7 +217,7 @@ fn the_next_wave_starts_only_after_the_soak() {
     assert_eq!(recheck, None, "nothing to wait for but reports");
     // c1 runs it, not Ready: still held.
     let new = hash_for(&a, &m, "c1");
-    let mut seen_now: Observed = [(Arc::from("c1"), seen(&new, false, t0))].into();
+    let mut seen_now: Observed = [(ArcStr::from("c1"), seen(&new, false, t0))].into();
     let (p, recheck) = gated(&a, &m, &seen_now, t0 + secs(5));
     assert_eq!(held(&p), ["c2", "c3"]);
     assert_eq!(recheck, Some(secs(600 - 5)), "the default deadline");
@@ -248,7 +248,7 @@ fn a_soak_gates_only_clusters_still_to_reach() {
     let t0 = Instant::now();
     let m = plain(&["c1", "c2"]);
     let a = progressive(&["c1", "c2"], "1", "nginx:2");
-    let fresh = |c: &str| (Arc::from(c), seen(&hash_for(&a, &m, c), true, t0));
+    let fresh = |c: &str| (ArcStr::from(c), seen(&hash_for(&a, &m, c), true, t0));
     let observed: Observed = [fresh("c1"), fresh("c2")].into();
     let (p, recheck) = gated(&a, &m, &observed, t0);
     assert_eq!((state(&p), recheck), (("Complete", 2, 2), None));
@@ -275,7 +275,7 @@ fn a_report_of_another_revision_does_not_count() {
         hash_for(&plain_app, &m, "c1"),
         String::new(),
     ] {
-        let observed: Observed = [(Arc::from("c1"), seen(&hash, true, t0))].into();
+        let observed: Observed = [(ArcStr::from("c1"), seen(&hash, true, t0))].into();
         let (p, _) = gated(&new, &m, &observed, t0 + secs(1000));
         assert_eq!(held(&p), ["c2"], "{hash}");
     }
@@ -305,7 +305,7 @@ fn a_cluster_past_its_deadline_degraded_or_failing_to_apply_halts_the_rollout() 
         ),
     ];
     for (c1, why) in cases {
-        let observed: Observed = [(Arc::from("c1"), c1)].into();
+        let observed: Observed = [(ArcStr::from("c1"), c1)].into();
         let (p, recheck) = gated(&a, &m, &observed, t0 + secs(DEADLINE));
         assert_eq!(state(&p), ("Halted", 1, 3), "{why}");
         assert_eq!(held(&p), ["c2", "c3"], "{why}: the rest untouched");
@@ -330,7 +330,7 @@ fn a_cluster_past_its_deadline_degraded_or_failing_to_apply_halts_the_rollout() 
         assert_eq!(s.rollout.as_ref().unwrap().state, "Halted");
     }
     // Before the deadline it is only starting.
-    let observed: Observed = [(Arc::from("c1"), seen(&new, false, t0))].into();
+    let observed: Observed = [(ArcStr::from("c1"), seen(&new, false, t0))].into();
     let (p, recheck) = gated(&a, &m, &observed, t0 + secs(DEADLINE - 1));
     assert_eq!(state(&p).0, "Progressing");
     assert_eq!(recheck, Some(secs(1)));
@@ -347,7 +347,7 @@ fn a_cluster_not_reached_yet_halts_nothing() {
         apply_error: Some("denied by a webhook".into()),
         ..seen("", false, t0)
     };
-    let observed: Observed = [(Arc::from("c2"), refused)].into();
+    let observed: Observed = [(ArcStr::from("c2"), refused)].into();
     let (p, _) = gated(&a, &m, &observed, t0);
     assert_eq!(state(&p), ("Progressing", 1, 2));
     assert_eq!(held(&p), ["c2"]);
@@ -408,8 +408,8 @@ fn clusters_joining_and_leaving_mid_rollout() {
     let a = progressive(&all, "1", "nginx:2");
     let new = hash_for(&a, &m, "c1");
     let observed: Observed = [
-        (Arc::from("c1"), seen(&new, true, t0)),
-        (Arc::from("c3"), seen(&new, true, t0)),
+        (ArcStr::from("c1"), seen(&new, true, t0)),
+        (ArcStr::from("c3"), seen(&new, true, t0)),
     ]
     .into();
     let (p, _) = gated(&a, &m, &observed, t0 + secs(SOAK));
@@ -470,7 +470,7 @@ fn a_change_of_replicas_alone_is_never_held() {
         5,
     );
     let observed: Observed = (all.iter())
-        .map(|c| (Arc::from(*c), seen(&hash_for(&before, &m, c), true, t0)))
+        .map(|c| (ArcStr::from(*c), seen(&hash_for(&before, &m, c), true, t0)))
         .collect();
     let (p, _) = gated(&after, &m, &observed, t0);
     assert!(held(&p).is_empty());
@@ -496,7 +496,8 @@ fn paused_sends_the_revision_nowhere_new_and_stalls() {
     assert_eq!(state(&p), ("Paused", 1, 2));
     assert_eq!(held(&p), ["c1", "c2"]);
     // A cluster that already runs the revision keeps getting it (its replicas move).
-    let observed: Observed = [(Arc::from("c1"), seen(&hash_for(&a, &m, "c1"), false, t0))].into();
+    let observed: Observed =
+        [(ArcStr::from("c1"), seen(&hash_for(&a, &m, "c1"), false, t0))].into();
     let (p, _) = gated(&a, &m, &observed, t0);
     assert_eq!(held(&p), ["c2"]);
 }
@@ -545,7 +546,7 @@ fn a_complete_rollout_keeps_its_revisions_and_spec() {
     )
     .unwrap();
     let done: Observed = (all.iter())
-        .map(|c| (Arc::from(*c), seen(&hash_for(&v1, &m, c), true, t0)))
+        .map(|c| (ArcStr::from(*c), seen(&hash_for(&v1, &m, c), true, t0)))
         .collect();
     let (p, _) = gated(&v1, &m, &done, t0 + secs(SOAK));
     assert_eq!(state(&p).0, "Complete");
@@ -576,7 +577,7 @@ fn a_complete_rollout_keeps_its_revisions_and_spec() {
         serde_yaml::from_str(&format!("{{labels: {{big: '{}'}}}}", "x".repeat(COPY_MAX))).unwrap(),
     );
     let done: Observed = (all.iter())
-        .map(|c| (Arc::from(*c), seen(&hash_for(&big, &m, c), true, t0)))
+        .map(|c| (ArcStr::from(*c), seen(&hash_for(&big, &m, c), true, t0)))
         .collect();
     let (p, _) = gated(&big, &m, &done, t0 + secs(SOAK));
     let last = p.rollout.unwrap().last_complete.expect("kept");
@@ -605,7 +606,7 @@ fn going_back_to_the_last_complete_revision_is_never_held() {
     let v1 = progressive(&all, "1", "nginx:1");
     let v2 = progressive(&all, "1", "nginx:bad");
     let on = |a: &FederatedMyApp, c: &str, ready: bool| {
-        (Arc::from(c), seen(&hash_for(a, &m, c), ready, t0))
+        (ArcStr::from(c), seen(&hash_for(a, &m, c), ready, t0))
     };
     let (complete, _) = gated(
         &v1,
@@ -665,7 +666,7 @@ fn halted_after_c3_left() -> (FederatedMyApp, Members, Observed) {
     let all = ["c1", "c2", "c3"];
     let m = plain(&all);
     let v1 = weighted(&all, "nginx:1");
-    let on = |a: &FederatedMyApp, c: &str| (Arc::from(c), seen(&hash_for(a, &m, c), true, t0));
+    let on = |a: &FederatedMyApp, c: &str| (ArcStr::from(c), seen(&hash_for(a, &m, c), true, t0));
     let done = [on(&v1, "c1"), on(&v1, "c2"), on(&v1, "c3")].into();
     let (complete, _) = gated(&v1, &m, &done, t0 + secs(SOAK));
     let v2 = with_status_of(&weighted(&["c1", "c2"], "nginx:bad"), &complete);

@@ -40,7 +40,7 @@ pub(super) fn duplicate(
         .iter()
         .map(|c| {
             let assignment = match c.state {
-                _ if chosen.contains(c.name.as_ref()) => Assignment {
+                _ if chosen.contains(c.name.as_str()) => Assignment {
                     replicas,
                     reason: match c.state {
                         State::Frozen(reason) => reason,
@@ -70,7 +70,7 @@ fn names<'a>(candidates: &[Candidate<'a>], chosen: &Chosen) -> BTreeSet<&'a str>
     chosen
         .order
         .iter()
-        .map(|i| candidates[*i].name.as_ref())
+        .map(|i| candidates[*i].name.as_str())
         .collect()
 }
 
@@ -158,10 +158,10 @@ impl<'c> Division<'c, '_> {
         self.clusters
             .iter()
             .zip(&self.slots)
-            .filter(|(c, s)| self.frozen.get(c.name.as_ref()).is_some_and(|n| *n > 0) || s.max > 0)
+            .filter(|(c, s)| self.frozen.get(c.name.as_str()).is_some_and(|n| *n > 0) || s.max > 0)
             .map(|(c, s)| Candidate {
                 name: c.name,
-                fixed: self.frozen.contains_key(c.name.as_ref()),
+                fixed: self.frozen.contains_key(c.name.as_str()),
                 had: c.prev.replicas > 0,
                 score: s.weight,
                 group: c.group(spread),
@@ -174,7 +174,7 @@ impl<'c> Division<'c, '_> {
     fn restrict_to(&mut self, chosen: &Chosen) -> Result<(), ScheduleError> {
         self.chosen = names(&self.candidates, chosen);
         for (c, slot) in self.clusters.iter().zip(&mut self.slots) {
-            if self.chosen.contains(c.name.as_ref()) {
+            if self.chosen.contains(c.name.as_str()) {
                 continue;
             }
             if slot.min > 0 {
@@ -189,7 +189,7 @@ impl<'c> Division<'c, '_> {
             slot.max = 0;
         }
         for r in &chosen.required {
-            let name = self.candidates[*r].name.as_ref();
+            let name = self.candidates[*r].name.as_str();
             if self.frozen.contains_key(name) {
                 continue;
             }

@@ -73,12 +73,12 @@ fn assign(
             reason: SchedulingReason::Recovered,
         },
         State::Frozen(reason) => Assignment {
-            replicas: division.frozen[c.name.as_ref()],
+            replicas: division.frozen[c.name.as_str()],
             reason,
         },
         State::Eligible => {
             let left_out = division.slots[i].max == 0
-                && !division.chosen.contains(c.name.as_ref())
+                && !division.chosen.contains(c.name.as_str())
                 && division.candidates.iter().any(|k| k.name == c.name);
             let moved_in = without_failover.is_some_and(|w| target > w[i]);
             Assignment {
@@ -106,15 +106,15 @@ pub(super) fn make_before_break(
     needs: impl Fn(&str, &Assignment) -> u32,
 ) {
     let pending = clusters.iter().any(|c| {
-        let a = &assignments[c.name.as_ref()];
-        c.state == State::Eligible && needs(c.name.as_ref(), a) > c.prev.ready_replicas
+        let a = &assignments[c.name.as_str()];
+        c.state == State::Eligible && needs(c.name.as_str(), a) > c.prev.ready_replicas
     });
     if !pending {
         return;
     }
     for c in clusters.iter().filter(|c| c.state != State::FailedOver) {
         let a = assignments
-            .get_mut(c.name.as_ref())
+            .get_mut(c.name.as_str())
             .expect("every cluster is assigned");
         if a.replicas < c.prev.replicas {
             *a = Assignment {
