@@ -40,7 +40,8 @@ use flotilla_plan::admission::Admission;
 use flotilla_plan::grants::Grants;
 use flotilla_plan::index::Desired;
 use flotilla_plan::plan;
-use flotilla_plan::planner::key_of;
+use flotilla_plan::plan::plan_each;
+use flotilla_plan::planner::{PLAN_CHUNK, key_of};
 use flotilla_proto::client::{self, Dial, MAX_MESSAGE};
 use flotilla_proto::v1::federation_server::{Federation, FederationServer};
 use flotilla_proto::v1::{self as pb, agent_message, hub_message};
@@ -275,7 +276,7 @@ pub async fn serve(role: Role, size: Size) -> Result<()> {
 fn hub_service(
     size: &Size,
     leading: tokio::sync::watch::Receiver<bool>,
-) -> Result<(FederationService, Vec<FederatedMyApp>)> {
+) -> Result<(FederationService, Vec<Arc<FederatedMyApp>>)> {
     let (store, mut writer) = reflector::store::<MemberCluster>();
     writer.apply_watcher_event(&watcher::Event::Init);
     for i in 0..size.clusters {
@@ -285,27 +286,30 @@ fn hub_service(
     let members = membership::registered(&store);
     let dispatcher = Arc::new(Dispatcher::default());
     let status = Arc::new(StatusBoard::default());
-    // Returned and kept while serving, as the hub's FederatedMyApp store keeps them.
-    let mut apps = Vec::with_capacity(size.apps);
+    // Kept while serving, as the hub's FederatedMyApp store keeps them.
+    let apps: Vec<Arc<FederatedMyApp>> =
+        (0..size.apps).map(|a| Arc::new(fed_app(a, size))).collect();
     let mut pairs = 0;
-    for a in 0..size.apps {
-        let app = fed_app(a, size);
-        let key = key_of(&app);
-        let plan = plan(&app, &members, &Admission::default(), &Grants::default());
-        let desired = plan.desired();
-        pairs += desired
-            .values()
-            .filter(|d| matches!(d, Desired::Apply(_)))
-            .count();
-        dispatcher.set_app(&key, app.metadata.generation, desired);
-        status.set_plan(
-            &key,
-            Planned {
-                plan,
-                deleting_on: None,
-            },
-        );
-        apps.push(app);
+    // As the hub's planner plans many apps: a chunk's plans on every core, then each
+    // plan into the index and the board in turn.
+    for chunk in apps.chunks(PLAN_CHUNK) {
+        let plans = plan_each(chunk, &members, &Admission::default(), &Grants::default());
+        for (app, plan) in chunk.iter().zip(plans) {
+            let key = key_of(app);
+            let desired = plan.desired();
+            pairs += desired
+                .values()
+                .filter(|d| matches!(d, Desired::Apply(_)))
+                .count();
+            dispatcher.set_app(&key, app.metadata.generation, desired);
+            status.set_plan(
+                &key,
+                Planned {
+                    plan,
+                    deleting_on: None,
+                },
+            );
+        }
     }
     ensure!(
         pairs == size.pairs(),

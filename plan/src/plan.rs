@@ -15,6 +15,7 @@ use arcstr::ArcStr;
 use flotilla_crds::FederatedMyApp;
 use flotilla_crds::bounds::Bounds;
 use flotilla_crds::federated::SchedulingReason;
+use rayon::prelude::*;
 
 use crate::admission::{Admission, Refusal};
 use crate::grants::{Granted, Grants, NothingGranted};
@@ -195,6 +196,23 @@ impl AppPlan {
     pub fn reported(&self) -> impl Iterator<Item = (&ClusterName, &ClusterPlan)> {
         self.clusters.iter().filter(|(_, p)| p.is_reported())
     }
+}
+
+/// [`plan`] for each app, in order, on every core: each plan reads only its app and what
+/// is passed in, and a hub planning from cold (or after a fleet-wide change) has every
+/// app to plan.
+pub fn plan_each<A>(
+    apps: &[A],
+    members: &Members,
+    admission: &Admission,
+    grants: &Grants,
+) -> Vec<AppPlan>
+where
+    A: std::ops::Deref<Target = FederatedMyApp> + Sync,
+{
+    apps.par_iter()
+        .map(|app| plan(app, members, admission, grants))
+        .collect()
 }
 
 /// Admits, places, schedules and renders one FederatedMyApp. The app fails as a whole

@@ -44,8 +44,13 @@ use crate::admission::Admission;
 use crate::grants::Grants;
 use crate::index::{AppKey, Desired};
 use crate::placement::{ClusterName, Labels, Members};
-use crate::plan::{AppPlan, plan};
+use crate::plan::{AppPlan, plan, plan_each};
 use crate::rollout::{self, Observed};
+
+/// Apps planned at once on every core ([`plan_each`]) before their plans are taken one
+/// after another: enough to keep the cores busy, few enough that a re-plan holds few new
+/// plans beside the ones they replace.
+pub const PLAN_CHUNK: usize = 64;
 
 /// How often an app is planned again while it waits: a deletion for clusters to confirm,
 /// a new object for the deletion of an older one of the same name.
@@ -315,11 +320,9 @@ impl Planner {
             // Planned above, as every trigger is looked at for it.
             Trigger::Grants => {}
             Trigger::Recheck => {
-                for key in self.rechecks.take_due(now) {
-                    if let Some(app) = apps.get(&key) {
-                        self.plan_app(&app, members, now, fx);
-                    }
-                }
+                let due = self.rechecks.take_due(now);
+                let due: Vec<_> = due.iter().filter_map(|key| apps.get(key)).collect();
+                self.plan_apps(&due, members, now, fx);
             }
         }
     }
@@ -365,19 +368,18 @@ impl Planner {
         let taken: BTreeSet<&str> = (moved.iter().flatten())
             .flat_map(|m| grants.taking(m.name, m.labels()))
             .collect();
-        let mut planned = HashSet::new();
-        for app in apps.all() {
-            let key = key_of(&app);
-            let affected = moved.as_ref().is_none_or(|moved| {
-                self.unplanned.contains(&key)
-                    || taken.contains(key.namespace.as_str())
-                    || moved.iter().any(|m| may_place(&app.spec.placement, m))
-            });
-            if affected {
-                self.plan_app(&app, (members, grants), now, fx);
-                planned.insert(key);
-            }
-        }
+        let affected: Vec<_> = (apps.all().into_iter())
+            .filter(|app| {
+                moved.as_ref().is_none_or(|moved| {
+                    let key = key_of(app);
+                    self.unplanned.contains(&key)
+                        || taken.contains(key.namespace.as_str())
+                        || moved.iter().any(|m| may_place(&app.spec.placement, m))
+                })
+            })
+            .collect();
+        self.plan_apps(&affected, (members, grants), now, fx);
+        let planned = affected.iter().map(|app| key_of(app)).collect();
         fx.planned_for(members.keys().map(|c| c.to_string()).collect());
         self.planned_for = Some(PlannedFor {
             shape,
@@ -400,13 +402,10 @@ impl Planner {
             return changed;
         }
         self.grants = grants.clone();
-        let apps = apps.all();
-        for app in apps
-            .iter()
+        let apps: Vec<_> = (apps.all().into_iter())
             .filter(|a| changed.contains(&key_of(a).namespace))
-        {
-            self.plan_app(app, (members, grants), now, fx);
-        }
+            .collect();
+        self.plan_apps(&apps, (members, grants), now, fx);
         changed
     }
 
@@ -423,8 +422,25 @@ impl Planner {
             Some(p) if p.capacity != capacity => p.capacity = capacity,
             _ => return,
         }
-        for app in apps.all().iter().filter(|a| by_capacity(a)) {
-            self.plan_app(app, members, now, fx);
+        let apps: Vec<_> = apps.all().into_iter().filter(|a| by_capacity(a)).collect();
+        self.plan_apps(&apps, members, now, fx);
+    }
+
+    /// [`Self::plan_app`] for each app, in this order, each plan itself made on every
+    /// core a chunk at a time: only what a plan does to the index and the board is done
+    /// one app after another.
+    fn plan_apps(
+        &mut self,
+        apps: &[Arc<FederatedMyApp>],
+        (members, grants): (&Members, &Grants),
+        now: Instant,
+        fx: &mut impl Effects,
+    ) {
+        for chunk in apps.chunks(PLAN_CHUNK) {
+            let plans = plan_each(chunk, members, &self.admission, grants);
+            for (app, plan) in chunk.iter().zip(plans) {
+                self.take_plan(app, plan, (members, grants), now, fx);
+            }
         }
     }
 
@@ -436,8 +452,21 @@ impl Planner {
         now: Instant,
         fx: &mut impl Effects,
     ) {
+        let plan = plan(app, members, &self.admission, grants);
+        self.take_plan(app, plan, (members, grants), now, fx);
+    }
+
+    /// Writes `plan`, just made for `app` from these clusters and grants, into the index
+    /// and the board, and notes when to look again.
+    fn take_plan(
+        &mut self,
+        app: &FederatedMyApp,
+        mut plan: AppPlan,
+        (members, grants): (&Members, &Grants),
+        now: Instant,
+        fx: &mut impl Effects,
+    ) {
         let key = key_of(app);
-        let mut plan = plan(app, members, &self.admission, grants);
         match plan.placement_error {
             Some(_) => self.unplanned.insert(key.clone()),
             None => self.unplanned.remove(&key),
@@ -774,6 +803,34 @@ mod tests {
                 proptest::prop_assert_eq!(&fx.plans, &fresh.plans);
                 proptest::prop_assert_eq!(&fx.desired, &fresh.desired);
             }
+        }
+    }
+
+    /// Plans made on every core are the plans made one by one, in the apps' order, over
+    /// more apps than a chunk holds and whatever their namespace is granted.
+    #[test]
+    fn plans_made_on_every_core_are_the_plans_made_one_by_one() {
+        let apps: Vec<Arc<FederatedMyApp>> = (0..2 * PLAN_CHUNK / 9 + 1)
+            .flat_map(|round| {
+                many().into_iter().map(move |app| {
+                    let mut app = Arc::unwrap_or_clone(app);
+                    app.metadata.name = Some(format!("{}-{round}", app.name_any()));
+                    Arc::new(app)
+                })
+            })
+            .collect();
+        assert!(apps.len() > 2 * PLAN_CHUNK);
+        let mut members = Members::new();
+        for n in 0..6 {
+            apply(&mut members, (n, Some((n % 3, n == 4, n != 2))));
+        }
+        let admission = Admission::default();
+        for grant in 0..6 {
+            let grants = grants_of(grant);
+            let one_by_one: Vec<AppPlan> = (apps.iter())
+                .map(|app| plan(app, &members, &admission, &grants))
+                .collect();
+            assert_eq!(plan_each(&apps, &members, &admission, &grants), one_by_one);
         }
     }
 
