@@ -2,6 +2,10 @@
 //! of 300 clusters, and 10 on every cluster. The planner that planned the fleet plans
 //! only the apps a moved cluster can affect; the baseline, measured in the same run, is
 //! what a flip cost before: planning every app (a fresh planner's first pass).
+//!
+//! And one app applied on a fleet of 10,000 clusters whose shape did not move: every
+//! trigger compares the clusters with the shape every app was planned for. The
+//! baseline adds what that cost before: building the shape to compare it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::hint::black_box;
@@ -14,13 +18,14 @@ use flotilla_plan::AppPlan;
 use flotilla_plan::grants::Grants;
 use flotilla_plan::index::Desired;
 use flotilla_plan::placement::{ClusterName, Member, Members};
-use flotilla_plan::planner::{Effects, Planner, Trigger};
+use flotilla_plan::planner::{Effects, Planner, Trigger, key_of, shape};
 use flotilla_plan::rollout::Observed;
 use serde_json::json;
 
 const CLUSTERS: usize = 300;
 const APPS: usize = 1_000;
 const EVERYWHERE: usize = 10;
+const FLEET: usize = 10_000;
 
 /// Counts the apps planned; keeps nothing.
 #[derive(Default)]
@@ -114,6 +119,46 @@ fn bench(c: &mut Criterion) {
             let mut fx = Count::default();
             let now_members = (members_of(flip), &grants);
             planner.handle(Trigger::Members, &apps, now_members, now, &mut fx);
+            black_box(fx.0)
+        })
+    });
+    group.finish();
+
+    let fleet: Members = (0..FLEET)
+        .map(|c| {
+            let mut member = Member::default();
+            member
+                .labels
+                .insert("zone".into(), format!("zone-{}", c % 3));
+            member
+                .labels
+                .insert("region".into(), format!("region-{}", c % 7));
+            (format!("cluster{c:03}").into(), member)
+        })
+        .collect();
+    let named = apps[..APPS].to_vec();
+    let mut planner = Planner::default();
+    planner.handle(
+        Trigger::Members,
+        &named,
+        (&fleet, &grants),
+        now,
+        &mut Count::default(),
+    );
+    let applied = || Trigger::Applied(key_of(&apps[0]));
+    let mut group = c.benchmark_group("one_app_applied_10000_clusters");
+    group.bench_function("baseline_shape_built", |b| {
+        b.iter(|| {
+            black_box(shape(&fleet));
+            let mut fx = Count::default();
+            planner.handle(applied(), &named, (&fleet, &grants), now, &mut fx);
+            black_box(fx.0)
+        })
+    });
+    group.bench_function("shape_compared_in_place", |b| {
+        b.iter(|| {
+            let mut fx = Count::default();
+            planner.handle(applied(), &named, (&fleet, &grants), now, &mut fx);
             black_box(fx.0)
         })
     });

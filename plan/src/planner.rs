@@ -160,6 +160,19 @@ pub fn shape(members: &Members) -> Vec<ShapeEntry> {
         .collect()
 }
 
+/// Whether `members` have this [`shape`], compared where they stand: every trigger
+/// looks, and building the shape of 10,000 clusters to compare took ~12 ms a trigger.
+fn has_shape(members: &Members, shape: &[ShapeEntry]) -> bool {
+    members.len() == shape.len()
+        && members.iter().zip(shape).all(|((name, m), entry)| {
+            let (was_name, labels, unschedulable, not_ready) = entry;
+            name == was_name
+                && m.labels == *labels
+                && m.unschedulable == *unschedulable
+                && m.not_ready_for.is_some() == *not_ready
+        })
+}
+
 /// Each registered cluster's capacity, in name order.
 pub fn capacity(members: &Members) -> Vec<Option<ClusterCapacity>> {
     members.values().map(|m| m.capacity.clone()).collect()
@@ -354,10 +367,10 @@ impl Planner {
         now: Instant,
         fx: &mut impl Effects,
     ) -> HashSet<AppKey> {
-        let shape = shape(members);
-        if self.planned_for.as_ref().is_some_and(|p| p.shape == shape) {
+        if (self.planned_for.as_ref()).is_some_and(|p| has_shape(members, &p.shape)) {
             return HashSet::new();
         }
+        let shape = shape(members);
         let before = self.planned_for.take();
         let moved = before.as_ref().map(|p| moved(&p.shape, &shape));
         if moved.is_none() {
@@ -779,6 +792,40 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// Comparing clusters with a shape where they stand says what building their
+        /// shape and comparing it says: the same clusters, and the same with one thing
+        /// of one cluster changed (readiness, cordon, labels, or the cluster itself).
+        #[test]
+        fn a_shape_compared_in_place_is_the_shape_compared(
+            steps in proptest::collection::vec(
+                (0u8..6, proptest::option::of((0u8..3, proptest::bool::ANY, proptest::bool::ANY))),
+                0..12,
+            ),
+            tweak in 0u8..6,
+            which in 0usize..6,
+        ) {
+            let mut a = Members::new();
+            for step in steps {
+                apply(&mut a, step);
+            }
+            let mut b = a.clone();
+            let name = b.keys().nth(which % b.len().max(1)).cloned();
+            match (tweak, name.and_then(|n| b.get_mut(&n).map(|m| (n, m)))) {
+                (1, Some((_, m))) => m.not_ready_for = m.not_ready_for.xor(Some(Duration::ZERO)),
+                (2, Some((_, m))) => m.unschedulable = !m.unschedulable,
+                (3, Some((_, m))) => {
+                    m.labels.insert("zone".into(), "elsewhere".into());
+                }
+                (4, Some((n, _))) => {
+                    b.remove(&n);
+                }
+                (5, _) => apply(&mut b, (7, Some((0, false, false)))),
+                _ => {}
+            }
+            proptest::prop_assert_eq!(has_shape(&a, &shape(&b)), shape(&a) == shape(&b));
+            proptest::prop_assert_eq!(has_shape(&b, &shape(&a)), shape(&a) == shape(&b));
+        }
+
         /// After every change of the registered clusters, each app's desired state and
         /// plan are what planning every app from scratch gives, whatever the apps'
         /// namespace is granted: nothing asked, a zone, a cluster by name, or nothing.
