@@ -11,6 +11,8 @@ use std::time::Duration;
 use flotilla_crds::MyApp;
 use flotilla_proto::WireKey;
 use flotilla_proto::v1::{self as pb, agent_message};
+use prost::Message;
+use sha2::{Digest as _, Sha256};
 use tokio::sync::{broadcast, mpsc};
 
 use crate::autoscale::{Autoscaler, Autoscalers};
@@ -77,7 +79,9 @@ pub async fn report_loop(
 struct Reports {
     store: Stores,
     autoscalers: Autoscalers,
-    sent: HashMap<Key, pb::StatusReport>,
+    /// The last report sent of each MyApp, as a digest: a copy of each would hold
+    /// ~1.5 KB a MyApp for the session's life.
+    sent: HashMap<Key, Digest>,
     /// The error of each MyApp whose latest request keeps failing.
     errors: HashMap<Key, String>,
     due: Vec<Key>,
@@ -148,13 +152,25 @@ impl Reports {
             if let Some(error) = self.errors.get(&key) {
                 report.apply_error = error.clone();
             }
-            if self.forced.remove(&key) || self.sent.get(&key) != Some(&report) {
-                self.sent.insert(key, report.clone());
+            let digest = digest(&report);
+            if self.forced.remove(&key) || self.sent.get(&key) != Some(&digest) {
+                self.sent.insert(key, digest);
                 out.push(report);
             }
         }
         out
     }
+}
+
+/// A report's digest: the first half of the SHA-256 of its encoding, which prost writes
+/// the same way every time for the same report (fields in order, no maps).
+type Digest = [u8; 16];
+
+fn digest(report: &pb::StatusReport) -> Digest {
+    let hash = Sha256::digest(report.encode_to_vec());
+    let mut digest = Digest::default();
+    digest.copy_from_slice(&hash[..16]);
+    digest
 }
 
 /// A heartbeat, and the capacity if it changed and the limiter lets it through; false
