@@ -1,6 +1,7 @@
 //! Cache: the agent's reflectors of MyApps, and what a cached MyApp tells.
 //!
-//! MyApps are cached trimmed ([`trim`]): the session's cache of managed MyApps (with a
+//! MyApps are cached trimmed to their readers ([`trim_for_session`],
+//! [`trim_for_operator`]): the session's cache of managed MyApps (with a
 //! feed of the keys that changed, for the reports) and the operator's cache of all
 //! MyApps. A cache never decides a deletion on its own: Hello lists the apiserver, and a
 //! delete reads it again on a miss (see `sync`).
@@ -13,7 +14,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use flotilla_common::listed::{self, Listed, NeverListed};
-use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp};
+use flotilla_crds::{HASH_ANNOTATION, MANAGED_BY_LABEL, MANAGED_BY_VALUE, MyApp, MyAppSpec};
 pub use flotilla_proto::AppKey as Key;
 use futures::{Stream, StreamExt};
 use kube::core::NamespaceResourceScope;
@@ -80,17 +81,41 @@ pub fn applied_hash(app: &MyApp) -> String {
 /// kubectl's copy of the object it last applied (client-side apply).
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
-/// Trims a MyApp to what the agent reads of a cached one: the field managers' sets
+/// Trims a MyApp to what any reader of a cached one needs: the field managers' sets
 /// (`metadata.managedFields`, each a JSON tree as large as the fields it names) and
-/// kubectl's last-applied copy go; nothing reads them from a cache. Everything a
-/// decision reads stays: name, namespace, uid, resource version, generation, deletion
-/// timestamp, owner references, the labels (the managed-by label), the other
-/// annotations (the content hash), spec and status.
-pub fn trim(app: &mut MyApp) {
+/// kubectl's last-applied copy go; nothing reads them from a cache.
+fn trim(app: &mut MyApp) {
     app.metadata.managed_fields = None;
     if let Some(annotations) = app.metadata.annotations.as_mut() {
         annotations.remove(LAST_APPLIED);
     }
+}
+
+/// What the session reads of a cached managed MyApp ([`trim`], then): name, namespace,
+/// uid (the delete precondition), resource version, generation, deletion timestamp, the
+/// labels (the managed-by label), the annotations (content hash, assigned replicas,
+/// bounds, drift note), `spec.replicas` and the status but its selector. The rest of the
+/// spec is the operator's to read; the session applies what the hub sends.
+pub fn trim_for_session(app: &mut MyApp) {
+    trim(app);
+    app.metadata.owner_references = None;
+    app.spec = MyAppSpec {
+        replicas: app.spec.replicas,
+        ..MyAppSpec::default()
+    };
+    if let Some(status) = app.status.as_mut() {
+        status.selector = None;
+    }
+}
+
+/// What the operator reads of a cached MyApp ([`trim`], then): name, namespace, uid (the
+/// children's owner reference), generation, deletion timestamp, spec and the whole
+/// status (compared with the one it computes). Children are labelled from the MyApp's
+/// name, never its labels, and nothing it does reads an annotation.
+pub fn trim_for_operator(app: &mut MyApp) {
+    trim(app);
+    app.metadata.labels = None;
+    app.metadata.annotations = None;
 }
 
 /// The cache's own note of a managed MyApp's drift ([`crate::drift`]), made from its
@@ -117,13 +142,17 @@ pub fn drift(app: &MyApp) -> Option<&String> {
     app.annotations().get(DRIFT_NOTE)
 }
 
-/// A reflector of MyApps that caches them trimmed ([`trim`]): the managed MyApps of the
-/// session, and all MyApps of the operator.
-pub fn reflect<S>(writer: Writer<MyApp>, events: S) -> impl Stream<Item = S::Item>
+/// A reflector of MyApps that caches them trimmed by `trim_for` ([`trim_for_session`] or
+/// [`trim_for_operator`]).
+pub fn reflect<S>(
+    writer: Writer<MyApp>,
+    events: S,
+    trim_for: fn(&mut MyApp),
+) -> impl Stream<Item = S::Item>
 where
     S: Stream<Item = Result<watcher::Event<MyApp>, watcher::Error>>,
 {
-    reflector::reflector(writer, events.modify(trim))
+    reflector::reflector(writer, events.modify(trim_for))
 }
 
 /// The MyApps this agent manages, cached, with a feed of the keys that changed.
@@ -179,7 +208,12 @@ pub fn watch_managed(
         let (store, writer) = reflector::store::<MyApp>();
         let config = watcher::Config::default().labels(&managed_selector());
         let (stream, done) = listed::track(
-            reflect(writer, watcher(api, config).modify(note_drift)).default_backoff(),
+            reflect(
+                writer,
+                watcher(api, config).modify(note_drift),
+                trim_for_session,
+            )
+            .default_backoff(),
         );
         let stream = stream.touched_objects();
         let feed = changes.clone();
@@ -242,17 +276,12 @@ mod tests {
         assert_eq!(drift(&forged), None);
     }
 
-    /// The caches of the session and of the operator hold no field managers and no
-    /// last-applied copy (most of a cached MyApp's memory), and everything else as the
-    /// apiserver sent it: the managed-by label and content hash that Hello, the reports
-    /// and the deletion decisions read, the uid of the delete precondition, generation,
-    /// spec and status.
-    #[tokio::test]
-    async fn cached_myapps_keep_what_is_read_and_drop_managed_fields() {
-        let app: MyApp = serde_json::from_value(json!({
+    fn full_app() -> MyApp {
+        serde_json::from_value(json!({
             "apiVersion": "app.example.com/v1", "kind": "MyApp",
             "metadata": {
                 "name": "a", "namespace": "ns", "uid": "u-1", "resourceVersion": "7", "generation": 2,
+                "deletionTimestamp": "2026-12-06T00:00:00Z",
                 "labels": {MANAGED_BY_LABEL: MANAGED_BY_VALUE, "team": "x"},
                 "annotations": {HASH_ANNOTATION: "abc", LAST_APPLIED: "{\"spec\":{}}", "note": "kept"},
                 "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "o", "uid": "u-0"}],
@@ -262,31 +291,66 @@ mod tests {
                 }]
             },
             "spec": {"replicas": 3, "image": "nginx:1.27", "config": {"k": "v"}},
-            "status": {"ready": true, "readyReplicas": 3, "observedGeneration": 2}
+            "status": {"ready": true, "readyReplicas": 3, "replicas": 3, "selector": "app=a",
+                "observedGeneration": 2,
+                "conditions": [{"type": "Ready", "status": "True", "reason": "Available", "message": "m",
+                    "lastTransitionTime": "2026-12-06T00:00:00Z"}]}
         }))
-        .unwrap();
+        .unwrap()
+    }
+
+    /// `app` as a reflector trimming by `trim_for` caches it.
+    async fn cached(app: &MyApp, trim_for: fn(&mut MyApp)) -> serde_json::Value {
         let (store, writer) = reflector::store::<MyApp>();
         let events = futures::stream::iter([
             Ok(watcher::Event::Init),
             Ok(watcher::Event::InitApply(app.clone())),
             Ok(watcher::Event::InitDone),
         ]);
-        reflect(writer, events).for_each(|_| async {}).await;
+        reflect(writer, events, trim_for)
+            .for_each(|_| async {})
+            .await;
         let cached = Stores::all(store)
             .get(&Key::new("ns", "a"))
             .expect("cached");
-        assert_eq!(cached.metadata.managed_fields, None);
-        assert!(!cached.annotations().contains_key(LAST_APPLIED));
-        assert!(is_managed(&cached));
-        assert_eq!(applied_hash(&cached), "abc");
-        assert_eq!(key_of(&*cached), Key::new("ns", "a"));
-        let mut want = app;
-        want.metadata.managed_fields = None;
-        want.annotations_mut().remove(LAST_APPLIED);
-        assert_eq!(
-            serde_json::to_value(&*cached).unwrap(),
-            serde_json::to_value(&want).unwrap(),
-            "nothing else changed"
-        );
+        serde_json::to_value(&*cached).unwrap()
+    }
+
+    /// The session's cache holds no field managers, no last-applied copy and of the spec
+    /// only `replicas`; everything else it reads stays as the apiserver sent it: the
+    /// managed-by label and content hash that Hello, the reports and the deletion
+    /// decisions read, the uid of the delete precondition, generation, deletion
+    /// timestamp, and the status the reports carry.
+    #[tokio::test]
+    async fn the_session_caches_what_it_reads() {
+        let cached = cached(&full_app(), trim_for_session).await;
+        let mut want = serde_json::to_value(full_app()).unwrap();
+        let meta = want["metadata"].as_object_mut().unwrap();
+        meta.remove("managedFields");
+        meta.remove("ownerReferences");
+        meta["annotations"]
+            .as_object_mut()
+            .unwrap()
+            .remove(LAST_APPLIED);
+        want["spec"] = json!({"replicas": 3});
+        want["status"].as_object_mut().unwrap().remove("selector");
+        assert_eq!(cached, want);
+        let app: MyApp = serde_json::from_value(cached).unwrap();
+        assert!(is_managed(&app));
+        assert_eq!(applied_hash(&app), "abc");
+        assert_eq!(key_of(&app), Key::new("ns", "a"));
+    }
+
+    /// The operator's cache holds no field managers, labels or annotations; name,
+    /// namespace, uid, generation, deletion timestamp, spec and status stay whole.
+    #[tokio::test]
+    async fn the_operator_caches_what_it_reads() {
+        let cached = cached(&full_app(), trim_for_operator).await;
+        let mut want = serde_json::to_value(full_app()).unwrap();
+        let meta = want["metadata"].as_object_mut().unwrap();
+        meta.remove("managedFields");
+        meta.remove("labels");
+        meta.remove("annotations");
+        assert_eq!(cached, want);
     }
 }

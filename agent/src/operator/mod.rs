@@ -170,6 +170,7 @@ pub async fn run_operator(
                     api::<MyApp>(&client, scope.as_deref()),
                     watcher::Config::default(),
                 ),
+                crate::cache::trim_for_operator,
             )
             .default_backoff(),
         );
