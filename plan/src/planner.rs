@@ -43,7 +43,7 @@ use kube::core::SelectorExt;
 use crate::admission::Admission;
 use crate::grants::Grants;
 use crate::index::{AppKey, Desired};
-use crate::placement::{ClusterName, Labels, Members};
+use crate::placement::{ClusterName, Labels, Member, Members};
 use crate::plan::{AppPlan, plan, plan_each};
 use crate::rollout::{self, Observed};
 
@@ -154,10 +154,16 @@ pub fn shape(members: &Members) -> Vec<ShapeEntry> {
     members
         .iter()
         .map(|(name, m)| {
-            let not_ready = m.not_ready_for.is_some();
-            (name.clone(), m.labels.clone(), m.unschedulable, not_ready)
+            let (labels, unschedulable, not_ready) = shape_of(m);
+            (name.clone(), labels.clone(), unschedulable, not_ready)
         })
         .collect()
+}
+
+/// The fields of one cluster that make its [`ShapeEntry`], in one place for [`shape`]
+/// and [`has_shape`] both.
+fn shape_of(m: &Member) -> (&Labels, bool, bool) {
+    (&m.labels, m.unschedulable, m.not_ready_for.is_some())
 }
 
 /// Whether `members` have this [`shape`], compared where they stand: every trigger
@@ -166,10 +172,7 @@ fn has_shape(members: &Members, shape: &[ShapeEntry]) -> bool {
     members.len() == shape.len()
         && members.iter().zip(shape).all(|((name, m), entry)| {
             let (was_name, labels, unschedulable, not_ready) = entry;
-            name == was_name
-                && m.labels == *labels
-                && m.unschedulable == *unschedulable
-                && m.not_ready_for.is_some() == *not_ready
+            name == was_name && shape_of(m) == (labels, *unschedulable, *not_ready)
         })
 }
 
@@ -381,18 +384,17 @@ impl Planner {
         let taken: BTreeSet<&str> = (moved.iter().flatten())
             .flat_map(|m| grants.taking(m.name, m.labels()))
             .collect();
-        let affected: Vec<_> = (apps.all().into_iter())
-            .filter(|app| {
+        let (planned, affected): (HashSet<AppKey>, Vec<_>) = (apps.all().into_iter())
+            .map(|app| (key_of(&app), app))
+            .filter(|(key, app)| {
                 moved.as_ref().is_none_or(|moved| {
-                    let key = key_of(app);
-                    self.unplanned.contains(&key)
+                    self.unplanned.contains(key)
                         || taken.contains(key.namespace.as_str())
                         || moved.iter().any(|m| may_place(&app.spec.placement, m))
                 })
             })
-            .collect();
+            .unzip();
         self.plan_apps(&affected, (members, grants), now, fx);
-        let planned = affected.iter().map(|app| key_of(app)).collect();
         fx.planned_for(members.keys().map(|c| c.to_string()).collect());
         self.planned_for = Some(PlannedFor {
             shape,
@@ -753,6 +755,12 @@ mod tests {
     /// gone.
     type Step = (u8, Option<(u8, bool, bool)>);
 
+    /// `len` changes among six clusters, three zones, cordoned or not, ready or not.
+    fn steps(len: std::ops::Range<usize>) -> impl proptest::strategy::Strategy<Value = Vec<Step>> {
+        let change = (0u8..3, proptest::bool::ANY, proptest::bool::ANY);
+        proptest::collection::vec((0u8..6, proptest::option::of(change)), len)
+    }
+
     fn apply(members: &mut Members, (n, change): Step) {
         let name = format!("c{n}");
         match change {
@@ -761,7 +769,7 @@ mod tests {
             }
             Some((zone, cordoned, not_ready)) => {
                 let zone = ["a", "b", "c"][zone as usize % 3];
-                let member = crate::placement::Member {
+                let member = Member {
                     labels: [("zone".to_owned(), zone.to_owned())].into(),
                     unschedulable: cordoned,
                     not_ready_for: not_ready.then_some(Duration::ZERO),
@@ -797,10 +805,7 @@ mod tests {
         /// of one cluster changed (readiness, cordon, labels, or the cluster itself).
         #[test]
         fn a_shape_compared_in_place_is_the_shape_compared(
-            steps in proptest::collection::vec(
-                (0u8..6, proptest::option::of((0u8..3, proptest::bool::ANY, proptest::bool::ANY))),
-                0..12,
-            ),
+            steps in steps(0..12),
             tweak in 0u8..6,
             which in 0usize..6,
         ) {
@@ -831,10 +836,7 @@ mod tests {
         /// namespace is granted: nothing asked, a zone, a cluster by name, or nothing.
         #[test]
         fn a_member_change_plans_exactly_the_apps_it_can_affect(
-            steps in proptest::collection::vec(
-                (0u8..6, proptest::option::of((0u8..3, proptest::bool::ANY, proptest::bool::ANY))),
-                1..25,
-            ),
+            steps in steps(1..25),
             grant in 0u8..6,
         ) {
             let apps = many();
