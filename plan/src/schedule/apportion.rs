@@ -48,7 +48,8 @@ pub struct Infeasible {
 /// each quota is clamped to its bounds and the rest shared in proportion (exact
 /// rationals), then rounded by largest remainder so that every share is its quota
 /// rounded down or up. Among those roundings it picks the one closest to `prev`, then
-/// larger remainders, then earlier slots. A slot with weight 0 gets its minimum.
+/// the one that changes the fewest shares, then larger remainders, then earlier slots.
+/// A slot with weight 0 gets its minimum.
 pub fn divide(total: u32, slots: &[Slot]) -> Result<Vec<u32>, Infeasible> {
     let min_sum: u64 = slots.iter().map(|s| s.min as u64).sum();
     let max_sum: u64 = slots.iter().map(|s| s.high() as u64).sum();
@@ -126,8 +127,12 @@ fn water_fill(total: u32, slots: &[Slot]) -> Fill {
 }
 
 /// Largest remainder: each free slot gets its quota rounded down, and the replicas left
-/// go one each to the slots whose previous share is above that, then to the larger
-/// remainders, then to the earlier slots.
+/// go one each to the slots whose previous share is above that; then, once something
+/// runs, to the slots whose share grows anyway (a cluster that joins with a quota of one
+/// or more), so that as few shares change as can; then to the larger remainders, then
+/// to the earlier slots. Without the second rule a cluster joining could hand a
+/// replica to another that only had a larger remainder ([5, 5, 0, 0] of weights
+/// [9, 9, 1, 1] became [3, 3, 1, 0, 3] when a cluster of weight 10 joined).
 fn round(out: &mut [u32], free: &[usize], slots: &[Slot], rest: u128, weights: u128) {
     let mut remainders = Vec::new();
     let mut handed = 0u128;
@@ -140,9 +145,16 @@ fn round(out: &mut [u32], free: &[usize], slots: &[Slot], rest: u128, weights: u
         }
     }
     let ups = (rest - handed) as usize;
+    // Nothing runs yet: every share grows, and the remainders alone decide.
+    let runs = slots.iter().any(|s| s.prev > 0);
     remainders.sort_by(|(a, ra), (b, rb)| {
         let toward = |i: usize| slots[i].prev > out[i];
-        toward(*b).cmp(&toward(*a)).then(rb.cmp(ra)).then(a.cmp(b))
+        let growing = |i: usize| runs && out[i] > slots[i].prev;
+        toward(*b)
+            .cmp(&toward(*a))
+            .then(growing(*b).cmp(&growing(*a)))
+            .then(rb.cmp(ra))
+            .then(a.cmp(b))
     });
     for (i, _) in remainders.into_iter().take(ups) {
         out[i] += 1;

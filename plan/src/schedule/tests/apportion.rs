@@ -85,6 +85,45 @@ fn divide_ties_go_to_earlier_slots_then_towards_the_previous_division() {
     assert_eq!(divide(10, &prev), Ok(vec![3, 3, 4]));
 }
 
+/// Two cases CI's random search found: the replica left over went to an existing
+/// cluster with a tied (first) or larger (second) remainder, not to the newcomer whose
+/// share grows anyway.
+#[test]
+fn a_join_hands_the_replica_left_over_to_the_newcomer() {
+    let join = |total: u32, ws: &[u64], new: u64| {
+        let before = divide(total, &weights(ws)).unwrap();
+        let mut more: Vec<Slot> = ws
+            .iter()
+            .zip(&before)
+            .map(|(w, b)| slot(*w, 0, MAX_PER_CLUSTER, *b))
+            .collect();
+        more.push(slot(new, 0, MAX_PER_CLUSTER, 0));
+        (before, divide(total, &more).unwrap())
+    };
+    assert_eq!(
+        join(10, &[9, 9, 1, 1], 10),
+        (vec![5, 5, 0, 0], vec![3, 3, 0, 0, 4])
+    );
+    assert_eq!(
+        join(6, &[5, 5, 1, 1], 3),
+        (vec![3, 3, 0, 0], vec![2, 2, 0, 0, 2])
+    );
+}
+
+/// What largest remainder cannot promise (CI's random search found it): the cluster
+/// leaving had nothing, yet its weight made the weight-15 cluster's quota exactly 10,
+/// and the three weight-1 clusters' two replicas left over cannot go to all three.
+#[test]
+fn a_leave_can_move_one_replica_a_tie_gave() {
+    let before = divide(22, &weights(&[1, 1, 1, 1, 15, 16])).unwrap();
+    assert_eq!(before, vec![1, 1, 1, 0, 9, 10]);
+    let rest: Vec<Slot> = [(1, 1), (1, 1), (1, 1), (15, 9), (16, 10)]
+        .iter()
+        .map(|(w, p)| slot(*w, 0, MAX_PER_CLUSTER, *p))
+        .collect();
+    assert_eq!(divide(22, &rest), Ok(vec![1, 1, 0, 10, 10]));
+}
+
 #[test]
 fn divide_clamps_and_shares_the_rest() {
     let slots = [slot(1, 0, 2, 0), slot(1, 0, 10, 0), slot(1, 0, 10, 0)];
@@ -202,6 +241,9 @@ proptest! {
         }
     }
 
+    /// The leaving cluster's weight raises every other quota, so a quota can become whole
+    /// and take the replica a tie gave another before: no remaining cluster loses more
+    /// than that one (see `a_leave_can_move_one_replica_a_tie_gave`).
     #[test]
     fn a_cluster_leaving_moves_only_its_replicas(total in 0u32..40, ws in prop::collection::vec(1u64..20, 2..7), gone in 0usize..7) {
         let gone = gone % ws.len();
@@ -213,7 +255,7 @@ proptest! {
         kept.remove(gone);
         if let Ok(after) = divide(total, &rest) {
             for (a, b) in after.iter().zip(&kept) {
-                prop_assert!(a >= b, "a remaining cluster lost replicas: {:?} -> {:?}", kept, after);
+                prop_assert!(a + 1 >= *b, "a remaining cluster lost replicas: {:?} -> {:?}", kept, after);
             }
         }
     }
