@@ -91,7 +91,7 @@ fn trim(app: &mut MyApp) {
     }
 }
 
-/// What the session reads of a cached managed MyApp ([`trim`], then): name, namespace,
+/// What the session reads of a cached managed MyApp (after `trim`): name, namespace,
 /// uid (the delete precondition), resource version, generation, deletion timestamp, the
 /// labels (the managed-by label), the annotations (content hash, assigned replicas,
 /// bounds, drift note), `spec.replicas` and the status but its selector. The rest of the
@@ -108,7 +108,7 @@ pub fn trim_for_session(app: &mut MyApp) {
     }
 }
 
-/// What the operator reads of a cached MyApp ([`trim`], then): name, namespace, uid (the
+/// What the operator reads of a cached MyApp (after `trim`): name, namespace, uid (the
 /// children's owner reference), generation, deletion timestamp, spec and the whole
 /// status (compared with the one it computes). Children are labelled from the MyApp's
 /// name, never its labels, and nothing it does reads an annotation.
@@ -119,7 +119,7 @@ pub fn trim_for_operator(app: &mut MyApp) {
 }
 
 /// The cache's own note of a managed MyApp's drift ([`crate::drift`]), made from its
-/// field managers before [`trim`] drops them. Never written to the apiserver; one found
+/// field managers before the cache drops them ([`trim_for_session`]). Never written to the apiserver; one found
 /// there is not believed.
 pub const DRIFT_NOTE: &str = "agent.flotilla.io/drift";
 

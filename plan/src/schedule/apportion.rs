@@ -131,8 +131,10 @@ fn water_fill(total: u32, slots: &[Slot]) -> Fill {
 /// runs, to the slots whose share grows anyway (a cluster that joins with a quota of one
 /// or more), so that as few shares change as can; then to the larger remainders, then
 /// to the earlier slots. Without the second rule a cluster joining could hand a
-/// replica to another that only had a larger remainder ([5, 5, 0, 0] of weights
-/// [9, 9, 1, 1] became [3, 3, 1, 0, 3] when a cluster of weight 10 joined).
+/// replica to another that only came first in a tie ([5, 5, 0, 0] of weights
+/// [9, 9, 1, 1] became [3, 3, 1, 0, 3] when a cluster of weight 10 joined) or had a
+/// larger remainder ([3, 3, 0, 0] of weights [5, 5, 1, 1] became [2, 2, 1, 0, 1] when
+/// a cluster of weight 3 joined).
 fn round(out: &mut [u32], free: &[usize], slots: &[Slot], rest: u128, weights: u128) {
     let mut remainders = Vec::new();
     let mut handed = 0u128;
