@@ -80,68 +80,58 @@ fn rolled_out(d: &Deployment) -> bool {
     })
 }
 
+/// The children the operator made, listed by its label; the bench's own among them by
+/// [`ours`].
+fn managed() -> ListParams {
+    ListParams::default().labels("app.kubernetes.io/managed-by=flotilla-operator")
+}
+
+/// Whether a child is one of the bench's apps' (named after its MyApp).
+fn ours(name: Option<&str>) -> bool {
+    name.is_some_and(|n| n.starts_with("footprint-"))
+}
+
 /// How many of the bench's apps' Deployments on the member are [`rolled_out`].
 async fn rolled_out_count(deployments: &Api<Deployment>) -> Result<usize> {
-    let managed = ListParams::default().labels("app.kubernetes.io/managed-by=flotilla-operator");
-    let list = deployments.list(&managed).await?;
+    let list = deployments.list(&managed()).await?;
+    let ours = |d: &&Deployment| ours(d.metadata.name.as_deref());
     Ok(list
         .items
         .iter()
-        .filter(|d| {
-            d.metadata
-                .name
-                .as_deref()
-                .is_some_and(|n| n.starts_with("footprint-"))
-        })
+        .filter(ours)
         .filter(|d| rolled_out(d))
         .count())
 }
 
 /// Until every member's controller-manager has made every app's pod: until then the
 /// pods, the Deployments' status and the MyApps' status keep the agent busy, and a
-/// window measured there is not idle (it read 1.4-2.9 % of a core).
-async fn until_rolled_out(
-    children: &[(Api<Deployment>, Api<ConfigMap>)],
-    apps: usize,
-) -> Result<()> {
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
+/// window measured there is not idle (it read 1.4-2.9 % of a core). A failed list (an
+/// apiserver busy with thousands of pods) is looked at again.
+async fn until_rolled_out(deployments: &[&Api<Deployment>], apps: usize) -> Result<()> {
+    let what = format!("the {apps} Deployments rolled out on every member");
+    flotilla_lab::wait_for_every(ROLLOUT_POLL, TIMEOUT, &what, || async {
         let mut fewest = usize::MAX;
-        for (deployments, _) in children {
-            // A failed list (an apiserver busy with thousands of pods) is looked at again.
-            fewest = fewest.min(rolled_out_count(deployments).await.unwrap_or(0));
+        for member in deployments {
+            fewest = fewest.min(rolled_out_count(member).await?);
         }
-        if fewest >= apps {
-            return Ok(());
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "{fewest} of {apps} Deployments rolled out on every member after {}s",
-            TIMEOUT.as_secs()
-        );
-        tokio::time::sleep(ROLLOUT_POLL).await;
-    }
+        Ok((fewest >= apps).then_some(()))
+    })
+    .await
 }
 
 /// How many of the bench's apps have their Deployment and their ConfigMap on the member.
 async fn reconciled(deployments: &Api<Deployment>, configs: &Api<ConfigMap>) -> Result<usize> {
-    let managed = ListParams::default().labels("app.kubernetes.io/managed-by=flotilla-operator");
-    let ours = |n: &str| n.starts_with("footprint-");
-    let d = deployments.list_metadata(&managed).await?;
-    let c = configs.list_metadata(&managed).await?;
-    let count = |names: Vec<String>| names.iter().filter(|n| ours(n)).count();
-    Ok(count(
-        d.items
-            .into_iter()
-            .filter_map(|o| o.metadata.name)
-            .collect(),
-    )
-    .min(count(
-        c.items
-            .into_iter()
-            .filter_map(|o| o.metadata.name)
-            .collect(),
-    )))
+    let d = deployments.list_metadata(&managed()).await?.items;
+    let c = configs.list_metadata(&managed()).await?.items;
+    let d = d
+        .iter()
+        .filter(|o| ours(o.metadata.name.as_deref()))
+        .count();
+    let c = c
+        .iter()
+        .filter(|o| ours(o.metadata.name.as_deref()))
+        .count();
+    Ok(d.min(c))
 }
 
 pub async fn footprint(env: &Env, apps: usize) -> Result<Report> {
@@ -208,7 +198,8 @@ pub async fn footprint(env: &Env, apps: usize) -> Result<Report> {
         written.as_secs_f64(),
         propagated.as_secs_f64(),
     );
-    until_rolled_out(&children, apps).await?;
+    let deployments: Vec<&Api<Deployment>> = children.iter().map(|(d, _)| d).collect();
+    until_rolled_out(&deployments, apps).await?;
     let rolled = start.elapsed();
     eprintln!(
         "bench footprint: every pod made {:.1}s after the first apply; settling {}s, then {}s idle",

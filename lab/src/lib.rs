@@ -35,7 +35,7 @@ pub mod wait;
 
 pub use env::{Env, Provider, Role};
 pub use process::ProcessRecord;
-pub use wait::{await_object, wait_event, wait_for};
+pub use wait::{await_object, wait_event, wait_for, wait_for_every};
 
 use anyhow::{Context, Result, bail};
 use std::path::Path;

@@ -17,7 +17,22 @@ pub const POLL: Duration = Duration::from_millis(200);
 ///
 /// `Ok(None)` means "not yet"; an `Err` is treated as "not yet" too (apiservers starting
 /// up answer with errors for a while), and the last one is reported if time runs out.
-pub async fn wait_for<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> Result<T>
+pub async fn wait_for<T, F, Fut>(timeout: Duration, what: &str, check: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Option<T>>>,
+{
+    wait_for_every(POLL, timeout, what, check).await
+}
+
+/// [`wait_for`], polling every `poll`: for checks too heavy to make five times a second
+/// (lists of thousands of objects).
+pub async fn wait_for_every<T, F, Fut>(
+    poll: Duration,
+    timeout: Duration,
+    what: &str,
+    mut check: F,
+) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Option<T>>>,
@@ -33,7 +48,7 @@ where
         if Instant::now() >= deadline {
             return Err(timed_out(timeout, what, last_err));
         }
-        tokio::time::sleep(POLL).await;
+        tokio::time::sleep(poll).await;
     }
 }
 
