@@ -23,6 +23,8 @@ pub use flotilla_crds::AppKey;
 use crate::placement::ClusterName;
 use crate::render::RenderedMyApp;
 
+pub mod compact;
+
 /// What one cluster should have for one app.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Desired {
@@ -678,12 +680,12 @@ mod tests {
     use bytes::Bytes;
 
     /// The tests' clock: one instant, moved on by hand where time matters.
-    fn now() -> Instant {
+    pub(super) fn now() -> Instant {
         static T0: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
         *T0.get_or_init(Instant::now)
     }
 
-    fn rendered(hash: &str) -> Desired {
+    pub(super) fn rendered(hash: &str) -> Desired {
         Desired::Apply(Arc::new(RenderedMyApp {
             hash: hash.into(),
             json: Bytes::from_static(b"{}"),
@@ -1040,102 +1042,163 @@ mod tests {
         assert_eq!(ix.applied_pairs(), 2);
     }
 
+    /// The apps and the clusters that operations name: few, so that sequences of them
+    /// overlap.
+    pub(super) const APPS: u8 = 4;
+    pub(super) const CLUSTERS: u8 = 4;
+
     /// Every operation on the index, on a few apps and clusters, so that sequences of
     /// them overlap.
     #[derive(Debug, Clone)]
-    enum Op {
+    pub(super) enum Op {
         Set(u8, Option<i64>, Vec<(u8, u8)>),
         Delete(u8, bool, Vec<u8>),
         Drop(u8, bool),
         Replace(u8, bool),
         Forget(u8),
         Retain(Vec<u8>),
-        /// A Hello from the cluster, in one namespace's scope or all.
-        Connect(u8, Vec<(u8, u8)>, Option<u8>),
+        /// A Hello from the cluster, scoped to the namespaces of a bit mask ([`scope`]).
+        Connect(u8, Vec<(u8, u8)>, u8),
         Disconnect(u8),
         Report(u8, u8, u8),
+        /// The hub takes the app's unheeded claims (after each deletion step).
+        TakeUnheeded(u8),
+        /// Time passes, in seconds: the caller's clock moves on.
+        Wait(u8),
     }
 
-    fn arb_op() -> impl proptest::strategy::Strategy<Value = Op> {
+    pub(super) fn arb_op() -> impl proptest::strategy::Strategy<Value = Op> {
+        arb_op_among(APPS, CLUSTERS)
+    }
+
+    /// Operations on the first `apps` apps and `clusters` clusters: the fewer, the more
+    /// often a sequence comes back to the same pair.
+    pub(super) fn arb_op_among(
+        apps: u8,
+        clusters: u8,
+    ) -> impl proptest::strategy::Strategy<Value = Op> {
         use proptest::prelude::*;
-        let app = || 0u8..4;
-        let cluster = || 0u8..4;
+        let app = move || 0..apps;
+        let cluster = move || 0..clusters;
         let clusters = || proptest::collection::vec(cluster(), 0..4);
         // (cluster, what): 0–2 an Apply with that hash, 3 Keep, 4 Release.
         let plan = proptest::collection::vec((cluster(), 0u8..5), 0..4);
+        // Weighted towards what builds state (plans, Hellos, reports, deletions), so that
+        // sequences reach what needs several steps: a drift answered, then a new session.
         prop_oneof![
-            (app(), proptest::option::of(0i64..3), plan).prop_map(|(a, g, p)| Op::Set(a, g, p)),
-            (app(), any::<bool>(), clusters()).prop_map(|(a, o, c)| Op::Delete(a, o, c)),
-            (app(), any::<bool>()).prop_map(|(a, o)| Op::Drop(a, o)),
-            (app(), any::<bool>()).prop_map(|(a, o)| Op::Replace(a, o)),
-            app().prop_map(Op::Forget),
-            clusters().prop_map(Op::Retain),
-            (
+            3 => (app(), proptest::option::of(0i64..3), plan).prop_map(|(a, g, p)| Op::Set(a, g, p)),
+            2 => (app(), any::<bool>(), clusters()).prop_map(|(a, o, c)| Op::Delete(a, o, c)),
+            1 => (app(), any::<bool>()).prop_map(|(a, o)| Op::Drop(a, o)),
+            1 => (app(), any::<bool>()).prop_map(|(a, o)| Op::Replace(a, o)),
+            1 => app().prop_map(Op::Forget),
+            1 => clusters().prop_map(Op::Retain),
+            3 => (
                 cluster(),
                 proptest::collection::vec((app(), 0u8..3), 0..4),
-                proptest::option::of(0u8..2)
+                0u8..8
             )
                 .prop_map(|(c, m, s)| Op::Connect(c, m, s)),
-            cluster().prop_map(Op::Disconnect),
-            (cluster(), app(), 0u8..4).prop_map(|(c, a, h)| Op::Report(c, a, h)),
+            2 => cluster().prop_map(Op::Disconnect),
+            4 => (cluster(), app(), 0u8..4).prop_map(|(c, a, h)| Op::Report(c, a, h)),
+            1 => app().prop_map(Op::TakeUnheeded),
+            1 => (0u8..4).prop_map(Op::Wait),
         ]
     }
 
     /// App `a` lives in namespace `ns{a % 2}`, so that scopes cover some apps and not others.
-    fn app(a: u8) -> AppKey {
+    pub(super) fn app(a: u8) -> AppKey {
         AppKey::new(format!("ns{}", a % 2), format!("a{a}"))
     }
 
-    fn scope(namespace: Option<u8>) -> Scope {
-        Scope::of(namespace.map(|n| format!("ns{n}")))
+    pub(super) fn cluster(c: u8) -> String {
+        format!("c{c}")
     }
 
-    fn run(ix: &mut Index, op: Op) {
-        let cluster = |c: u8| format!("c{c}");
-        match op {
-            Op::Set(a, generation, entries) => {
-                let plan = entries
-                    .into_iter()
-                    .map(|(c, what)| {
-                        let want = match what {
-                            3 => Desired::Keep,
-                            4 => Desired::Release,
-                            h => rendered(&format!("h{h}")),
-                        };
-                        (cluster(c).into(), want)
-                    })
-                    .collect();
-                ix.set_app(&app(a), generation, plan);
-            }
-            Op::Delete(a, orphan, also) => {
-                let also: Vec<String> = also.into_iter().map(cluster).collect();
-                ix.delete_app(&app(a), orphan, &also, now());
-            }
-            Op::Drop(a, orphan) => {
-                ix.drop_app(&app(a), orphan, now());
-            }
-            Op::Replace(a, orphan) => {
-                ix.replace_app(&app(a), orphan, now());
-            }
-            Op::Forget(a) => ix.forget(&app(a)),
-            Op::Retain(clusters) => {
-                ix.retain_clusters(&clusters.into_iter().map(cluster).collect())
-            }
-            Op::Connect(c, managed, namespace) => {
-                let managed = managed
-                    .into_iter()
-                    .map(|(a, h)| (app(a), format!("h{h}")))
-                    .collect();
-                ix.connect(&cluster(c), &managed, scope(namespace));
-            }
-            Op::Disconnect(c) => ix.disconnect(&cluster(c)),
-            Op::Report(c, a, held) => {
-                let held =
-                    [Held::Present, Held::Absent, Held::Failed, Held::Drifted][usize::from(held)];
-                ix.report(&cluster(c), &app(a), held);
-            }
-        }
+    /// The namespaces of the mask's bits: `ns0`, `ns1`, and `ns2`, where no app lives;
+    /// none is every namespace.
+    pub(super) fn scope(mask: u8) -> Scope {
+        Scope::of(
+            (0..3)
+                .filter(|bit| mask & (1 << bit) != 0)
+                .map(|n| format!("ns{n}")),
+        )
     }
+
+    /// A plan of [`Op::Set`]'s entries.
+    pub(super) fn plan_of(entries: Vec<(u8, u8)>) -> BTreeMap<ClusterName, Desired> {
+        (entries.into_iter())
+            .map(|(c, what)| {
+                let want = match what {
+                    3 => Desired::Keep,
+                    4 => Desired::Release,
+                    h => rendered(&format!("h{h}")),
+                };
+                (cluster(c).into(), want)
+            })
+            .collect()
+    }
+
+    /// A Hello's list of [`Op::Connect`]'s entries.
+    pub(super) fn hello_of(managed: Vec<(u8, u8)>) -> HashMap<AppKey, String> {
+        (managed.into_iter())
+            .map(|(a, h)| (app(a), format!("h{h}")))
+            .collect()
+    }
+
+    pub(super) fn held(h: u8) -> Held {
+        [Held::Present, Held::Absent, Held::Failed, Held::Drifted][usize::from(h)]
+    }
+
+    /// What an operation returned, to compare two indexes' answers.
+    #[derive(Debug, PartialEq)]
+    pub(super) enum Outcome {
+        Pushes(Vec<Push>),
+        Connected(Vec<Push>, Vec<Arc<AppKey>>),
+        Unheeded(Vec<String>),
+        Nothing,
+    }
+
+    /// Runs an [`Op`] on an index at the instant `at`, and returns what it returned. A
+    /// macro, not a function, so that it drives `Index` and the `CompactIndex` checked
+    /// against it alike: the two share their methods, not a trait.
+    macro_rules! run {
+        ($ix:expr, $op:expr, $at:expr) => {{
+            use $crate::index::tests::{Op, Outcome, app, cluster, held, hello_of, plan_of, scope};
+            let (ix, at) = ($ix, $at);
+            match $op {
+                Op::Set(a, generation, entries) => {
+                    Outcome::Pushes(ix.set_app(&app(a), generation, plan_of(entries)))
+                }
+                Op::Delete(a, orphan, also) => {
+                    let also: Vec<String> = also.into_iter().map(cluster).collect();
+                    Outcome::Pushes(ix.delete_app(&app(a), orphan, &also, at))
+                }
+                Op::Drop(a, orphan) => Outcome::Pushes(ix.drop_app(&app(a), orphan, at)),
+                Op::Replace(a, orphan) => Outcome::Pushes(ix.replace_app(&app(a), orphan, at)),
+                Op::Forget(a) => {
+                    ix.forget(&app(a));
+                    Outcome::Nothing
+                }
+                Op::Retain(clusters) => {
+                    ix.retain_clusters(&clusters.into_iter().map(cluster).collect());
+                    Outcome::Nothing
+                }
+                Op::Connect(c, managed, namespaces) => {
+                    let (pushes, keys) =
+                        ix.connect(&cluster(c), &hello_of(managed), scope(namespaces));
+                    Outcome::Connected(pushes, keys)
+                }
+                Op::Disconnect(c) => {
+                    ix.disconnect(&cluster(c));
+                    Outcome::Nothing
+                }
+                Op::Report(c, a, h) => Outcome::Pushes(ix.report(&cluster(c), &app(a), held(h))),
+                Op::TakeUnheeded(a) => Outcome::Unheeded(ix.take_unheeded_claims(&app(a))),
+                Op::Wait(_) => Outcome::Nothing,
+            }
+        }};
+    }
+    pub(super) use run;
 
     proptest::proptest! {
         /// Rule 3 against the claim wait: time lets a deletion go on only without a
@@ -1146,7 +1209,7 @@ mod tests {
         ) {
             let mut ix = Index::with_claim_wait(Duration::from_secs(1));
             for op in ops {
-                run(&mut ix, op);
+                run!(&mut ix, op, now());
             }
             let deleting: Vec<AppKey> = ix.deleting.keys().cloned().collect();
             for app in deleting {
@@ -1179,12 +1242,12 @@ mod tests {
             let mut ix = Index::default();
             for op in ops {
                 let (c, outside): (String, Vec<AppKey>) = match &op {
-                    Op::Connect(c, _, namespace) => {
-                        let scope = scope(*namespace);
-                        (format!("c{c}"), (0..4).map(app).filter(|k| !scope.covers(k)).collect())
+                    Op::Connect(c, _, namespaces) => {
+                        let scope = scope(*namespaces);
+                        (cluster(*c), (0..APPS).map(app).filter(|k| !scope.covers(k)).collect())
                     }
-                    Op::Report(c, a, _) if ix.scope_excludes(&format!("c{c}"), &app(*a)).is_some() => {
-                        (format!("c{c}"), vec![app(*a)])
+                    Op::Report(c, a, _) if ix.scope_excludes(&cluster(*c), &app(*a)).is_some() => {
+                        (cluster(*c), vec![app(*a)])
                     }
                     _ => (String::new(), Vec::new()),
                 };
@@ -1194,7 +1257,7 @@ mod tests {
                         .collect()
                 };
                 let before = waited(&ix);
-                run(&mut ix, op.clone());
+                run!(&mut ix, op.clone(), now());
                 let after = waited(&ix);
                 for ((k, was), is) in outside.iter().zip(&before).zip(&after) {
                     let kept = |held_before: bool, held_after: bool| held_after || !held_before;
@@ -1212,7 +1275,7 @@ mod tests {
         ) {
             let mut ix = Index::default();
             for op in ops {
-                run(&mut ix, op);
+                run!(&mut ix, op, now());
                 let counted = ix
                     .desired
                     .by_cluster
