@@ -355,7 +355,8 @@ impl CompactIndex {
     ) -> Vec<Push> {
         let trusted = self.mark_deleting(app, also);
         let is_trusted = |cluster: ClusterId| trusted.binary_search(&cluster).is_ok();
-        // And the clusters whose connected agent says it holds the app.
+        // Visited in name order: the trusted, and the clusters whose connected agent says
+        // it holds the app (a claim, when it is not trusted).
         let mut candidates: Vec<ClusterId> = (self.app(app).pairs.iter())
             .filter(|pair| is_trusted(pair.cluster) || pair.flags.has(Flags::PRESENT))
             .map(|pair| pair.cluster)
@@ -1141,6 +1142,13 @@ mod tests {
             prop_assert_eq!(new.clusters.live().count(), 0);
             prop_assert_eq!(new.applied_pairs(), 0);
         }
+    }
+
+    /// A pair record is three words: its cluster's id and its flags in one, its desired
+    /// state in two.
+    #[test]
+    fn a_pair_record_is_three_words() {
+        assert_eq!(size_of::<Pair>(), 24);
     }
 
     /// A hub's churn reuses ids: apps and clusters that come and go one after the other
