@@ -1067,7 +1067,7 @@ mod tests {
         Wait(u8),
     }
 
-    pub(super) fn arb_op() -> impl proptest::strategy::Strategy<Value = Op> {
+    fn arb_op() -> impl proptest::strategy::Strategy<Value = Op> {
         arb_op_among(APPS, CLUSTERS)
     }
 
