@@ -105,6 +105,12 @@ impl<N: Hash + Eq + Clone, R: Default> Interner<N, R> {
         &mut self.slots[id as usize].as_mut().expect("a live id").1
     }
 
+    /// The name and the record to change, at once.
+    fn named_mut(&mut self, id: u32) -> (&N, &mut R) {
+        let (name, record) = self.slots[id as usize].as_mut().expect("a live id");
+        (name, record)
+    }
+
     /// Forgets the name (its record is empty): its id is free for the next new name.
     fn release(&mut self, id: u32) {
         let (name, _) = self.slots[id as usize].take().expect("a live id");
@@ -197,6 +203,18 @@ struct AppRecord {
 
 impl AppRecord {
     fn find(&self, cluster: ClusterId) -> Result<usize, usize> {
+        // An app placed on every cluster has each at its own id's index (ids are dense,
+        // the table sorted by id): one probe rather than a search through a table of
+        // thousands, each step a cache miss when a Hello or a round of reports reads
+        // one pair of every app.
+        let at = cluster.0 as usize;
+        if self
+            .pairs
+            .get(at)
+            .is_some_and(|pair| pair.cluster == cluster)
+        {
+            return Ok(at);
+        }
         self.pairs
             .binary_search_by_key(&cluster, |pair| pair.cluster)
     }
@@ -220,6 +238,22 @@ impl AppRecord {
             && self.deleting.is_none()
             && !self.unowned
     }
+}
+
+/// What a Hello says of a cluster's pairs ([`CompactIndex::connect`]).
+#[derive(Debug, Default)]
+struct Hello {
+    /// How many of the apps it lists (in its scope) have a pair for the cluster.
+    listed: usize,
+    /// The apps the cluster should have, each with what to send it, if anything.
+    desired: Vec<(Arc<AppKey>, Option<Change>)>,
+    /// Apps being deleted that the agent still holds.
+    held: Vec<Arc<AppKey>>,
+    /// Apps whose deletion or departure waits on the cluster, which its agent does not
+    /// hold.
+    gone: Vec<AppId>,
+    /// Pairs nothing is left in (the agent no longer holds the app).
+    emptied: Vec<AppId>,
 }
 
 #[derive(Debug, Default)]
@@ -611,85 +645,97 @@ impl CompactIndex {
         scope: Scope,
     ) -> (Vec<Push>, Vec<Arc<AppKey>>) {
         let id = self.intern_cluster(cluster);
-        // What it says now replaces what it said before; outside its scope, nothing is
-        // believed.
-        let apps: Vec<AppId> = self.cluster(id).apps.iter().copied().collect();
-        for app in apps {
-            self.clear_flags(app, id, Flags::PRESENT);
-        }
-        for key in managed.keys().filter(|key| scope.covers(key)) {
-            let app = self.intern_app(key);
-            self.set_flags(app, id, Flags::PRESENT);
-        }
-        self.cluster_mut(id).connected = true;
-        let desired = self.desired_apps(id);
-        let mut pushes = Vec::new();
-        for &app in &desired {
-            let key = self.key(app);
-            let hash = managed.get(&**key).filter(|_| scope.covers(key));
-            match (self.pair(app, id).and_then(|p| p.desired.as_ref()), hash) {
-                (Some(Desired::Apply(r)), hash) if hash != Some(&r.hash) => {
-                    pushes.push((cluster.to_owned(), key.clone(), Change::Apply(r.clone())));
-                }
-                (Some(Desired::Release), Some(_)) => {
-                    let release = Change::Delete { orphan: true };
-                    pushes.push((cluster.to_owned(), key.clone(), release));
-                }
-                _ => {}
+        let Hello {
+            listed,
+            mut desired,
+            mut held,
+            gone,
+            emptied,
+        } = self.read_hello(id, managed, &scope);
+        // What it holds that has no pair for it yet (never placed there): a pair now.
+        let covered = || managed.keys().filter(|key| scope.covers(key));
+        if listed < covered().count() {
+            for key in covered() {
+                let app = self.intern_app(key);
+                self.set_flags(app, id, Flags::PRESENT);
             }
         }
-        self.cluster_mut(id).scope = scope;
-        let keys = desired.iter().map(|&app| self.key(app).clone()).collect();
-        let gone = self.settle_deletions(id, managed, &mut pushes);
+        let record = self.cluster_mut(id);
+        record.connected = true;
+        record.scope = scope;
+        desired.sort_unstable_by(|(a, _), (b, _)| a.cmp(b));
+        let mut pushes = Vec::new();
+        let mut keys = Vec::with_capacity(desired.len());
+        for (key, change) in desired {
+            if let Some(change) = change {
+                pushes.push((cluster.to_owned(), key.clone(), change));
+            }
+            keys.push(key);
+        }
+        // A deletion the agent still holds is sent as an explicit Delete: it is the host's
+        // word for that object, not a collection for the circuit breaker to hold back.
+        held.sort_unstable();
+        let delete = |key| (cluster.to_owned(), key, Change::Delete { orphan: false });
+        pushes.extend(held.into_iter().map(delete));
         for &app in &gone {
             self.confirm_gone(app, id);
         }
         for app in gone {
             self.tidy_app(app);
         }
-        self.tidy_cluster(id);
+        self.drop_empty_pairs(id, emptied);
+        self.release_cluster_if_unused(id);
         (pushes, keys)
     }
 
-    /// After a Hello: the apps whose deletion (or departure) waits on the cluster and that
-    /// its agent says it does not hold, to confirm; one it still holds is sent its Delete.
-    fn settle_deletions(
-        &self,
+    /// What a Hello (`managed`, in `scope`) says of the cluster's pairs, read in one pass
+    /// with one lookup each (a fleet's Hellos read every pair): each pair's `PRESENT` is
+    /// what the agent says now (outside its scope, nothing is believed).
+    fn read_hello(
+        &mut self,
         cluster: ClusterId,
         managed: &HashMap<AppKey, String>,
-        pushes: &mut Vec<Push>,
-    ) -> Vec<AppId> {
-        let record = self.cluster(cluster);
-        let mut gone = Vec::new();
-        let mut held = Vec::new();
-        for &app in &record.apps {
-            let pair = self
-                .pair(app, cluster)
-                .expect("the reverse index is in step");
-            let key = self.key(app);
-            // Outside the agent's scope the app is unknown to it: waited for as if the
-            // agent were away.
-            if !record.scope.covers(key) {
-                continue;
+        scope: &Scope,
+    ) -> Hello {
+        let apps: Vec<AppId> = self.cluster(cluster).apps.iter().copied().collect();
+        let mut hello = Hello::default();
+        for app in apps {
+            let (key, record) = self.apps.named_mut(app.0);
+            let i = record.find(cluster).expect("the reverse index is in step");
+            let pair = &mut record.pairs[i];
+            let covered = scope.covers(key);
+            let hash = covered.then(|| managed.get(&**key)).flatten();
+            match hash {
+                Some(_) => {
+                    hello.listed += 1;
+                    pair.flags.set(Flags::PRESENT);
+                }
+                None => pair.flags.clear(Flags::PRESENT),
             }
-            let listed = managed.contains_key(&**key);
-            if pair.flags.has(Flags::WAITING | Flags::DEPARTED) && !listed {
-                gone.push(app);
-            } else if pair.flags.has(Flags::WAITING) && pair.desired.is_none() {
-                // A deletion the agent still holds is sent as an explicit Delete: it is
-                // the host's word for that object, not a collection for the circuit
-                // breaker to hold back.
-                held.push(key.clone());
+            if let Some(want) = &pair.desired {
+                let change = match (want, hash) {
+                    (Desired::Apply(r), hash) if hash != Some(&r.hash) => {
+                        Some(Change::Apply(r.clone()))
+                    }
+                    (Desired::Release, Some(_)) => Some(Change::Delete { orphan: true }),
+                    _ => None,
+                };
+                hello.desired.push((key.clone(), change));
+            }
+            // Outside the agent's scope the app is unknown to it: a deletion (or a
+            // departure) waits for it as if the agent were away.
+            if covered {
+                if pair.flags.has(Flags::WAITING | Flags::DEPARTED) && hash.is_none() {
+                    hello.gone.push(app);
+                } else if pair.flags.has(Flags::WAITING) && pair.desired.is_none() {
+                    hello.held.push(key.clone());
+                }
+            }
+            if pair.is_empty() {
+                hello.emptied.push(app);
             }
         }
-        held.sort_unstable();
-        let name = self.name(cluster);
-        let deletes = held.into_iter().map(|key| {
-            let delete = Change::Delete { orphan: false };
-            (name.to_string(), key, delete)
-        });
-        pushes.extend(deletes);
-        gone
+        hello
     }
 
     /// The keys the cluster should have, for a SyncComplete, in order: the index's own
@@ -740,8 +786,9 @@ impl CompactIndex {
         match held {
             Held::Present => {
                 let app = self.intern_app(key);
-                self.set_flags(app, id, Flags::PRESENT);
-                self.clear_flags(app, id, Flags::DRIFTED);
+                let flags = &mut self.entry(app, id).flags;
+                flags.set(Flags::PRESENT);
+                flags.clear(Flags::DRIFTED);
                 Vec::new()
             }
             Held::Drifted => {
@@ -989,6 +1036,13 @@ impl CompactIndex {
     /// nothing is left in.
     fn tidy_cluster(&mut self, cluster: ClusterId) {
         let apps: Vec<AppId> = self.cluster(cluster).apps.iter().copied().collect();
+        self.drop_empty_pairs(cluster, apps);
+        self.release_cluster_if_unused(cluster);
+    }
+
+    /// Drops the cluster's pairs of `apps` that are empty, then the apps' records that
+    /// nothing is left in.
+    fn drop_empty_pairs(&mut self, cluster: ClusterId, apps: Vec<AppId>) {
         for app in apps {
             let record = self.app_mut(app);
             if let Ok(i) = record.find(cluster)
@@ -1001,7 +1055,6 @@ impl CompactIndex {
                 }
             }
         }
-        self.release_cluster_if_unused(cluster);
     }
 
     fn release_cluster_if_unused(&mut self, cluster: ClusterId) {
