@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use flotilla_plan::index::{AppKey, Change, Desired, Held, Index, Push, Scope};
+use flotilla_plan::index::compact::CompactIndex;
+use flotilla_plan::index::{AppKey, Change, Desired, Held, Push, Scope};
 use flotilla_plan::placement::ClusterName;
 use flotilla_proto::WireKey;
 use flotilla_proto::v1::{self as pb, hub_message::Kind};
@@ -356,7 +357,7 @@ impl SessionMetrics {
 }
 
 struct State {
-    index: Index,
+    index: CompactIndex,
     sessions: HashMap<String, Arc<ClusterQueue>>,
 }
 
@@ -385,18 +386,18 @@ pub struct Dispatcher {
 
 impl Default for Dispatcher {
     fn default() -> Self {
-        Self::with_index(Index::default())
+        Self::with_index(CompactIndex::default())
     }
 }
 
 impl Dispatcher {
     /// A dispatcher whose deletions wait `claim_wait` for a cluster that only claims the
-    /// app ([`Index::with_claim_wait`]).
+    /// app ([`CompactIndex::with_claim_wait`]).
     pub fn with_claim_wait(claim_wait: Duration) -> Self {
-        Self::with_index(Index::with_claim_wait(claim_wait))
+        Self::with_index(CompactIndex::with_claim_wait(claim_wait))
     }
 
-    fn with_index(index: Index) -> Self {
+    fn with_index(index: CompactIndex) -> Self {
         Self {
             state: Mutex::new(State {
                 index,
@@ -409,7 +410,7 @@ impl Dispatcher {
     }
 
     /// Makes `plan` the app's desired state; false while the deletion of an earlier
-    /// object of the same name holds it back ([`Index::set_app`]).
+    /// object of the same name holds it back ([`CompactIndex::set_app`]).
     pub fn set_app(
         &self,
         key: &AppKey,
@@ -450,7 +451,7 @@ impl Dispatcher {
     }
 
     /// The app's object left the host; `replaced`: another of the same name is listed
-    /// ([`Index::drop_app`], [`Index::replace_app`]).
+    /// ([`CompactIndex::drop_app`], [`CompactIndex::replace_app`]).
     pub fn drop_app(&self, key: &AppKey, orphan: bool, replaced: bool) {
         let mut state = self.state.lock();
         let now = Instant::now();
@@ -599,7 +600,7 @@ impl Dispatcher {
 /// The clusters whose claim on `app` stopped being waited for, each logged: the
 /// cluster's agent said it holds an app this hub never placed or sent there, and did not
 /// confirm its Delete in time.
-fn unheeded_claims(index: &mut Index, app: &AppKey) -> Vec<String> {
+fn unheeded_claims(index: &mut CompactIndex, app: &AppKey) -> Vec<String> {
     let unheeded = index.take_unheeded_claims(app);
     for cluster in &unheeded {
         warn!(%app, %cluster, "the deletion goes on without a cluster that only claimed the MyApp (never placed or sent there) and did not confirm its Delete within --claim-wait");

@@ -13,6 +13,13 @@
 //! place it there) is sent the Delete and waited for at most [`CLAIM_WAIT`] (review H2: a
 //! lying agent claiming `ns/x` in its Hello stalled the deletion of `ns/x` until an admin
 //! unjoined it). Time is passed in, never read here.
+//!
+//! Two implementations of one state machine: [`Index`], string-keyed maps, the reference
+//! that the unit tests below pin rule by rule; and [`compact::CompactIndex`], interned ids
+//! and one dense table per app (0.43x the bytes a pair, BENCHMARKS.md), which the hub
+//! runs. The differential property test in `compact` holds the second to the first after
+//! every step of random operation sequences; `Index` goes once the compact one has run
+//! in the fleet for a while.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;

@@ -905,7 +905,7 @@ mod tests {
     fn a_newly_forbidden_namespace_keeps_what_members_run() {
         let clusters = members(&["cluster1", "cluster2"]);
         let key = crate::AppKey::new("default", "my-app-sample");
-        let mut index = crate::index::Index::default();
+        let mut index = crate::index::compact::CompactIndex::default();
         let allowed = plan(
             &app(SEED),
             &clusters,

@@ -95,7 +95,7 @@ impl Apps for Vec<Arc<FederatedMyApp>> {
 /// Where plans go: the index (through the hub's dispatcher, which pushes its changes to
 /// agents) and the status board.
 pub trait Effects {
-    /// Makes `desired` the app's desired state ([`crate::index::Index::set_app`]); false
+    /// Makes `desired` the app's desired state ([`crate::index::compact::CompactIndex::set_app`]); false
     /// while the deletion of an earlier object of the same name holds it back.
     fn set_app(
         &mut self,

@@ -8,7 +8,8 @@ use flotilla_crds::{ClusterGrant, FederatedMyApp};
 use serde_json::json;
 
 use super::*;
-use crate::index::{Change, Index};
+use crate::index::Change;
+use crate::index::compact::CompactIndex;
 use crate::placement::Member;
 use crate::status::{Inputs, compute};
 
@@ -199,7 +200,7 @@ fn a_withdrawn_grant_pushes_no_delete_and_the_apps_deletion_deletes_everywhere()
     let key = crate::AppKey::new("team", "web");
     let everywhere = app(json!({"clusterSelector": {}}), 1);
     for required in [false, true] {
-        let mut index = Index::default();
+        let mut index = CompactIndex::default();
         let all = Grants::new(required, [&grant(json!({"clusterSelector": {}}))]);
         let pushes = index.set_app(&key, Some(1), planned(&everywhere, &all).desired());
         assert_eq!(pushes.len(), 3, "applied on every cluster");
