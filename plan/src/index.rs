@@ -165,8 +165,18 @@ impl Scope {
 /// How long a deletion waits for a cluster that only claims the app, by default.
 pub const CLAIM_WAIT: Duration = Duration::from_secs(600);
 
+/// A wait longer than any hub runs: as good as never ending, and short enough to add
+/// to the clock (`--claim-wait` takes any duration; centuries would overflow `Instant`).
+const LONGEST_CLAIM_WAIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 #[derive(Debug)]
 struct ClaimWait(Duration);
+
+impl ClaimWait {
+    fn new(wait: Duration) -> Self {
+        Self(wait.min(LONGEST_CLAIM_WAIT))
+    }
+}
 
 impl Default for ClaimWait {
     fn default() -> Self {
@@ -212,7 +222,7 @@ impl Index {
     /// An index whose deletions wait `wait` for a cluster that only claims the app.
     pub fn with_claim_wait(wait: Duration) -> Self {
         Self {
-            claim_wait: ClaimWait(wait),
+            claim_wait: ClaimWait::new(wait),
             ..Self::default()
         }
     }
@@ -948,6 +958,20 @@ mod tests {
             "not waited for again"
         );
         assert!(ix.take_unheeded_claims(&claimed).is_empty(), "said once");
+    }
+
+    /// `--claim-wait` takes any duration: one too long to add to the clock waits as
+    /// good as forever instead of overflowing inside the dispatcher's lock.
+    #[test]
+    fn a_claim_wait_too_long_for_the_clock_never_ends() {
+        let mut ix = Index::with_claim_wait(Duration::MAX);
+        ix.connect("c1", &hello(&[("a", "h")]), Scope::All);
+        let pushes = ix.delete_app(&key("a"), false, &[], now());
+        assert_eq!(kinds(&pushes), [t("c1", "a", "delete orphan=false")]);
+        let centuries = now() + Duration::from_secs(50 * 365 * 24 * 3600);
+        ix.delete_app(&key("a"), false, &[], centuries);
+        assert_eq!(ix.deletion_waiting_on(&key("a")), ["c1"]);
+        assert!(ix.take_unheeded_claims(&key("a")).is_empty());
     }
 
     /// An orphaning delete waits for a claimer however long it takes: past the wait its

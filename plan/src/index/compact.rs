@@ -287,7 +287,7 @@ impl CompactIndex {
     /// An index whose deletions wait `wait` for a cluster that only claims the app.
     pub fn with_claim_wait(wait: Duration) -> Self {
         Self {
-            claim_wait: ClaimWait(wait),
+            claim_wait: ClaimWait::new(wait),
             ..Self::default()
         }
     }
@@ -1094,15 +1094,22 @@ mod tests {
         }
     }
 
+    /// How many apps and clusters a run's operations name.
+    #[derive(Debug, Clone, Copy)]
+    struct Universe {
+        apps: u8,
+        clusters: u8,
+    }
+
     /// Every query of every app and cluster in play answers alike.
-    fn same_answers(old: &Index, new: &CompactIndex) -> Result<(), TestCaseError> {
+    fn same_answers(old: &Index, new: &CompactIndex, u: Universe) -> Result<(), TestCaseError> {
         prop_assert_eq!(old.applied_pairs(), new.applied_pairs());
-        for a in 0..APPS {
+        for a in 0..u.apps {
             let key = app(a);
             prop_assert_eq!(old.is_deleting(&key), new.is_deleting(&key), "{}", key);
             let waiting = old.deletion_waiting_on(&key);
             prop_assert_eq!(waiting, new.deletion_waiting_on(&key), "{}", key);
-            for c in 0..CLUSTERS {
+            for c in 0..u.clusters {
                 let c = cluster(c);
                 let placed = old.is_placed(&c, &key);
                 prop_assert_eq!(placed, new.is_placed(&c, &key), "{} on {}", key, c);
@@ -1112,7 +1119,7 @@ mod tests {
                 prop_assert_eq!(excludes, new.scope_excludes(&c, &key), "{} on {}", key, c);
             }
         }
-        for c in 0..CLUSTERS {
+        for c in 0..u.clusters {
             let c = cluster(c);
             prop_assert_eq!(old.desired_shared(&c), new.desired_shared(&c), "{}", c);
         }
@@ -1120,11 +1127,12 @@ mod tests {
     }
 
     /// No record outlives what refers to it, so there is at most one per name in play
-    /// however many came and went; the reverse index matches the per-app tables.
-    fn records_are_tidy(new: &CompactIndex) -> Result<(), TestCaseError> {
-        prop_assert!(new.apps.slots.len() <= usize::from(APPS));
-        prop_assert!(new.clusters.slots.len() <= usize::from(CLUSTERS));
-        let mut pairs = 0;
+    /// however many came and went; the reverse index matches the per-app tables, and
+    /// the count of Applies the pairs they hold.
+    fn records_are_tidy(new: &CompactIndex, u: Universe) -> Result<(), TestCaseError> {
+        prop_assert!(new.apps.slots.len() <= usize::from(u.apps));
+        prop_assert!(new.clusters.slots.len() <= usize::from(u.clusters));
+        let (mut pairs, mut applied) = (0, 0);
         for (id, key) in new.apps.live() {
             let record = new.apps.get(id);
             prop_assert!(
@@ -1136,6 +1144,7 @@ mod tests {
                 prop_assert!(!pair.is_empty(), "an empty pair of {} is kept", key);
                 let reverse = &new.clusters.get(pair.cluster.0).apps;
                 prop_assert!(reverse.contains(&AppId(id)), "the reverse index is behind");
+                applied += usize::from(pair.desired.as_ref().is_some_and(is_apply));
             }
             pairs += record.pairs.len();
         }
@@ -1147,53 +1156,95 @@ mod tests {
             reverse += record.apps.len();
         }
         prop_assert_eq!(pairs, reverse, "the reverse index is ahead");
+        prop_assert_eq!(new.applied, applied, "the count of Applies is off");
         Ok(())
     }
 
     /// A claim wait (`None`: the default) and operations on as few as one app and one
-    /// cluster, or on all of them.
-    fn arb_run() -> impl Strategy<Value = (Option<Duration>, Vec<Op>)> {
+    /// cluster, or on all of them. (Drawn as the seeds in `proptest-regressions` expect.)
+    fn arb_run() -> impl Strategy<Value = (Option<Duration>, Universe, Vec<Op>)> {
         let claim_wait = proptest::option::of((0u64..4).prop_map(Duration::from_secs));
         (claim_wait, 1..=APPS, 1..=CLUSTERS).prop_flat_map(|(claim_wait, apps, clusters)| {
             let ops = proptest::collection::vec(arb_op_among(apps, clusters), 1..100);
-            (Just(claim_wait), ops)
+            (Just(claim_wait), Just(Universe { apps, clusters }), ops)
         })
     }
 
+    /// Long runs over twelve apps and twelve clusters, whose names sort otherwise than
+    /// their ids (`c10` before `c2`), and whose pairs outnumber what a short run reaches.
+    fn arb_wide_run() -> impl Strategy<Value = (Option<Duration>, Universe, Vec<Op>)> {
+        let u = Universe {
+            apps: 12,
+            clusters: 12,
+        };
+        // None (the default), seconds that time moves past, or too long to add to the clock.
+        let claim_wait = proptest::option::of(prop_oneof![
+            3 => (0u64..4).prop_map(Duration::from_secs),
+            1 => Just(Duration::MAX),
+        ]);
+        let ops = proptest::collection::vec(arb_op_among(u.apps, u.clusters), 100..400);
+        (claim_wait, Just(u), ops)
+    }
+
+    /// `Index` is the oracle: both are driven by the same operations, with time moving on
+    /// past the claim wait, and answer alike after every one of them.
+    fn differential(
+        claim_wait: Option<Duration>,
+        u: Universe,
+        ops: Vec<Op>,
+    ) -> Result<(), TestCaseError> {
+        let (mut old, mut new) = match claim_wait {
+            Some(wait) => (
+                Index::with_claim_wait(wait),
+                CompactIndex::with_claim_wait(wait),
+            ),
+            None => (Index::default(), CompactIndex::default()),
+        };
+        let mut clock = now();
+        for op in ops {
+            if let Op::Wait(seconds) = op {
+                clock += Duration::from_secs(seconds.into());
+            }
+            let expected = canonical(run!(&mut old, op.clone(), clock));
+            let got = run!(&mut new, op.clone(), clock);
+            prop_assert_eq!(expected, got, "{:?}", op);
+            same_answers(&old, &new, u)?;
+            records_are_tidy(&new, u)?;
+        }
+        for a in 0..u.apps {
+            let key = app(a);
+            prop_assert_eq!(
+                old.take_unheeded_claims(&key),
+                new.take_unheeded_claims(&key)
+            );
+        }
+        // Once every cluster left and every app was forgotten, nothing is left.
+        new.retain_clusters(&BTreeSet::new());
+        for a in 0..u.apps {
+            new.forget(&app(a));
+        }
+        prop_assert_eq!(new.apps.live().count(), 0);
+        prop_assert_eq!(new.clusters.live().count(), 0);
+        prop_assert_eq!(new.applied_pairs(), 0);
+        Ok(())
+    }
+
     proptest::proptest! {
-        /// `Index` is the oracle: both are driven by the same operations, with time
-        /// moving on past the claim wait, and answer alike after every one of them.
         #[test]
         fn the_compact_index_answers_as_the_index_does(
-            (claim_wait, ops) in arb_run(),
+            (claim_wait, u, ops) in arb_run(),
         ) {
-            let (mut old, mut new) = match claim_wait {
-                Some(wait) => (Index::with_claim_wait(wait), CompactIndex::with_claim_wait(wait)),
-                None => (Index::default(), CompactIndex::default()),
-            };
-            let mut clock = now();
-            for op in ops {
-                if let Op::Wait(seconds) = op {
-                    clock += Duration::from_secs(seconds.into());
-                }
-                let expected = canonical(run!(&mut old, op.clone(), clock));
-                let got = run!(&mut new, op.clone(), clock);
-                prop_assert_eq!(expected, got, "{:?}", op);
-                same_answers(&old, &new)?;
-                records_are_tidy(&new)?;
-            }
-            for a in 0..APPS {
-                let key = app(a);
-                prop_assert_eq!(old.take_unheeded_claims(&key), new.take_unheeded_claims(&key));
-            }
-            // Once every cluster left and every app was forgotten, nothing is left.
-            new.retain_clusters(&BTreeSet::new());
-            for a in 0..APPS {
-                new.forget(&app(a));
-            }
-            prop_assert_eq!(new.apps.live().count(), 0);
-            prop_assert_eq!(new.clusters.live().count(), 0);
-            prop_assert_eq!(new.applied_pairs(), 0);
+            differential(claim_wait, u, ops)?;
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+        #[test]
+        fn the_compact_index_answers_as_the_index_does_over_many_names(
+            (claim_wait, u, ops) in arb_wide_run(),
+        ) {
+            differential(claim_wait, u, ops)?;
         }
     }
 
@@ -1202,6 +1253,23 @@ mod tests {
     #[test]
     fn a_pair_record_is_three_words() {
         assert_eq!(size_of::<Pair>(), 24);
+    }
+
+    /// As `Index`'s test of the same name: a wait too long to add to the clock never ends.
+    #[test]
+    fn a_claim_wait_too_long_for_the_clock_never_ends() {
+        let mut ix = CompactIndex::with_claim_wait(Duration::MAX);
+        let key = app(0);
+        ix.connect(
+            "c1",
+            &HashMap::from([(key.clone(), "h".to_owned())]),
+            Scope::All,
+        );
+        assert_eq!(ix.delete_app(&key, false, &[], now()).len(), 1);
+        let centuries = now() + Duration::from_secs(50 * 365 * 24 * 3600);
+        ix.delete_app(&key, false, &[], centuries);
+        assert_eq!(ix.deletion_waiting_on(&key), ["c1"]);
+        assert!(ix.take_unheeded_claims(&key).is_empty());
     }
 
     /// A hub's churn reuses ids: apps and clusters that come and go one after the other
