@@ -13,6 +13,7 @@ use flotilla_proto::WireKey;
 use flotilla_proto::client::MAX_AGENT_MESSAGE;
 use flotilla_proto::v1::federation_server::Federation;
 use flotilla_proto::v1::{self as pb, agent_message};
+use futures::StreamExt as _;
 use k8s_openapi::jiff::Timestamp;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -31,6 +32,16 @@ use crate::status::StatusBoard;
 /// Messages buffered towards one agent beyond its queue: small, since the queue itself
 /// collapses superseded versions and a full buffer is how backpressure reaches it.
 const STREAM_BUFFER: usize = 64;
+
+/// What a session's channel carries to its agent's stream, the message boxed: tokio
+/// allocates a channel's slots in blocks of 32 and keeps its blocks for reuse while it
+/// lives, and [`STREAM_BUFFER`] messages in flight span three; of 104 B messages that
+/// held ~10 KiB per open session (heaptrack, 10,000 sessions), of 16 B slots 1.5 KiB.
+type Outbound = Result<Box<pb::HubMessage>, Status>;
+
+fn unbox(outbound: Outbound) -> Result<pb::HubMessage, Status> {
+    outbound.map(|message| *message)
+}
 const BATCH: usize = 64;
 /// An agent's reason for not storing a renewed token is cut to this before it is logged.
 const RENEWAL_ERROR_MAX: usize = 1024;
@@ -141,7 +152,10 @@ impl FederationService {
 
 #[tonic::async_trait]
 impl Federation for FederationService {
-    type SessionStream = ReceiverStream<Result<pb::HubMessage, Status>>;
+    type SessionStream = futures::stream::Map<
+        ReceiverStream<Outbound>,
+        fn(Outbound) -> Result<pb::HubMessage, Status>,
+    >;
 
     async fn session(
         &self,
@@ -291,7 +305,8 @@ impl Federation for FederationService {
             self.host.clone(),
             self.renewer.clone(),
         ));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        let unbox: fn(Outbound) -> Result<pb::HubMessage, Status> = unbox;
+        Ok(Response::new(ReceiverStream::new(rx).map(unbox)))
     }
 }
 
@@ -323,7 +338,7 @@ async fn send_loop(
     q: Arc<ClusterQueue>,
     dispatcher: Arc<Dispatcher>,
     host: Arc<dyn Host>,
-    tx: mpsc::Sender<Result<pb::HubMessage, Status>>,
+    tx: mpsc::Sender<Outbound>,
 ) {
     let metrics = dispatcher.metrics.session(q.cluster());
     loop {
@@ -344,7 +359,7 @@ async fn send_loop(
         };
         for message in batch {
             metrics.sent(&message);
-            if tx.send(Ok(message)).await.is_err() {
+            if tx.send(Ok(Box::new(message))).await.is_err() {
                 return;
             }
         }
@@ -384,7 +399,7 @@ struct Inbound {
     stream: Streaming<pb::AgentMessage>,
     refused: Refused,
     /// Tells the agent why the hub ended its session.
-    ended: mpsc::Sender<Result<pb::HubMessage, Status>>,
+    ended: mpsc::Sender<Outbound>,
 }
 
 /// Carries the agent's reports and heartbeats until its stream ends or the session is
@@ -520,6 +535,13 @@ impl Throttle {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A session channel's slot is two words, whatever a message holds (see [`Outbound`]).
+    #[test]
+    fn a_session_channel_slot_is_two_words() {
+        assert_eq!(size_of::<Outbound>(), 16);
+        assert!(size_of::<Result<pb::HubMessage, Status>>() > 100);
+    }
 
     #[test]
     fn a_throttled_warning_is_said_once_a_period_with_what_it_held_back() {
