@@ -32,16 +32,6 @@ use crate::status::StatusBoard;
 /// Messages buffered towards one agent beyond its queue: small, since the queue itself
 /// collapses superseded versions and a full buffer is how backpressure reaches it.
 const STREAM_BUFFER: usize = 64;
-
-/// What a session's channel carries to its agent's stream, the message boxed: tokio
-/// allocates a channel's slots in blocks of 32 and keeps its blocks for reuse while it
-/// lives, and [`STREAM_BUFFER`] messages in flight span three; of 104 B messages that
-/// held ~10 KiB per open session (heaptrack, 10,000 sessions), of 16 B slots 1.5 KiB.
-type Outbound = Result<Box<pb::HubMessage>, Status>;
-
-fn unbox(outbound: Outbound) -> Result<pb::HubMessage, Status> {
-    outbound.map(|message| *message)
-}
 const BATCH: usize = 64;
 /// An agent's reason for not storing a renewed token is cut to this before it is logged.
 const RENEWAL_ERROR_MAX: usize = 1024;
@@ -148,6 +138,16 @@ impl FederationService {
         warn!(%cluster, "credential revoked while its session was being admitted");
         Status::unauthenticated(format!("credential for cluster {cluster:?} was revoked"))
     }
+}
+
+/// What a session's channel carries to its agent's stream, the message boxed: tokio
+/// allocates a channel's slots in blocks of 32 and keeps its blocks for reuse while it
+/// lives, and [`STREAM_BUFFER`] messages in flight span three; of 104 B messages that
+/// held ~10 KiB per open session (heaptrack, 10,000 sessions), of 16 B slots 1.5 KiB.
+type Outbound = Result<Box<pb::HubMessage>, Status>;
+
+fn unbox(outbound: Outbound) -> Result<pb::HubMessage, Status> {
+    outbound.map(|message| *message)
 }
 
 #[tonic::async_trait]
@@ -305,8 +305,9 @@ impl Federation for FederationService {
             self.host.clone(),
             self.renewer.clone(),
         ));
-        let unbox: fn(Outbound) -> Result<pb::HubMessage, Status> = unbox;
-        Ok(Response::new(ReceiverStream::new(rx).map(unbox)))
+        Ok(Response::new(
+            ReceiverStream::new(rx).map(unbox as fn(_) -> _),
+        ))
     }
 }
 
