@@ -30,9 +30,17 @@ impl<K: Hash + Eq> Pending<K> {
         self.wake.notify_one();
     }
 
+    /// Marks every key given; wakes the taker only if one of them is new, so that an
+    /// empty call does not leave a wake-up behind (a taker would take nothing).
     pub fn mark_all(&self, keys: impl IntoIterator<Item = K>) {
-        self.keys.lock().extend(keys);
-        self.wake.notify_one();
+        let mut marked = self.keys.lock();
+        let before = marked.len();
+        marked.extend(keys);
+        let added = marked.len() > before;
+        drop(marked);
+        if added {
+            self.wake.notify_one();
+        }
     }
 
     pub fn forget(&self, key: &K) {
@@ -95,5 +103,16 @@ mod tests {
         );
         stop.cancel();
         assert_eq!(p.take(Duration::ZERO, None, &stop).await, None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn marking_nothing_wakes_nobody() {
+        let p = Pending::<&str>::default();
+        let stop = CancellationToken::new();
+        p.mark_all([]);
+        let started = tokio::time::Instant::now();
+        let (window, tick) = (Duration::from_secs(1), Duration::from_secs(300));
+        assert_eq!(p.take(window, Some(tick), &stop).await, Some(vec![]));
+        assert_eq!(started.elapsed(), tick + window, "woken before the tick");
     }
 }

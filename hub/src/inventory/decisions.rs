@@ -189,18 +189,16 @@ pub(super) async fn write_while_leading(
     // A new leader looks at every app once: the host may lag any plan.
     board.placements.mark_all(board.apps());
     let mut retries: Tracker<AppKey> = Tracker::default();
+    let mut resync = Resync::after(Instant::now());
     loop {
-        let tick = retries
-            .next(Instant::now())
-            .map_or(RESYNC, |r| r.min(RESYNC));
+        let tick = resync.wait(Instant::now(), retries.next(Instant::now()));
         let Some(mut keys) = board.placements.take(WINDOW, Some(tick), shutdown).await else {
             return;
         };
-        let due = retries.due(Instant::now());
-        if keys.is_empty() && due.is_empty() {
+        if resync.due(Instant::now()) {
             keys = board.apps();
         }
-        keys.extend(due);
+        keys.extend(retries.due(Instant::now()));
         keys.sort_unstable();
         keys.dedup();
         let mut by_key: HashMap<String, Vec<Arc<PlacementDecision>>> = HashMap::new();
@@ -252,6 +250,34 @@ pub(super) async fn write_while_leading(
         }
         board.placements.mark_all(later);
         metrics.backlog(KIND, written);
+    }
+}
+
+/// When every app is next compared with the host, whatever was marked. Only this
+/// deadline recomputes them all: a round that takes no key (its wake-up's keys went
+/// with the round before) compares nothing.
+struct Resync {
+    at: Instant,
+}
+
+impl Resync {
+    fn after(now: Instant) -> Self {
+        Self { at: now + RESYNC }
+    }
+
+    /// How long the loop may wait for a mark: until the resync or the first retry.
+    fn wait(&self, now: Instant, retry: Option<Duration>) -> Duration {
+        let until = self.at.saturating_duration_since(now);
+        retry.map_or(until, |r| r.min(until))
+    }
+
+    /// Whether every app is due now; if so, the next resync is one period later.
+    fn due(&mut self, now: Instant) -> bool {
+        if now < self.at {
+            return false;
+        }
+        self.at = now + RESYNC;
+        true
     }
 }
 

@@ -148,3 +148,25 @@ fn work_writes_what_differs_and_deletes_slices_no_longer_wanted() {
     // Nothing on the host yet: every slice.
     assert_eq!(work(slices_of(&app, 150), &[]).apply.len(), 2);
 }
+
+#[test]
+fn only_the_resync_deadline_compares_every_app() {
+    let start = Instant::now();
+    let mut resync = Resync::after(start);
+    assert_eq!(resync.wait(start, None), RESYNC);
+    let retry = Duration::from_secs(2);
+    assert_eq!(
+        resync.wait(start, Some(retry)),
+        retry,
+        "a retry comes first"
+    );
+    for waited in [Duration::ZERO, WINDOW, RESYNC - WINDOW] {
+        assert!(!resync.due(start + waited), "due after {waited:?}");
+    }
+    let late = start + RESYNC + WINDOW;
+    assert!(resync.due(late));
+    assert!(!resync.due(late), "twice in one period");
+    assert_eq!(resync.wait(late, Some(RESYNC * 2)), RESYNC);
+    assert_eq!(resync.wait(late + RESYNC * 2, None), Duration::ZERO);
+    assert!(resync.due(late + RESYNC));
+}
