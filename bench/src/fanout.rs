@@ -16,7 +16,9 @@
 //!   with a StatusReport at once (nothing is applied: there is no member apiserver), and
 //!   after SyncComplete ends its half of the stream. The server ends the session only
 //!   after it has read everything before that end, so an agent is done when every pair
-//!   it received has been acknowledged to, and processed by, the server.
+//!   it received has been acknowledged to, and processed by, the server. With `--hold`
+//!   the agents end their streams only once every one has synced, and the servers are
+//!   read in between: every session open, as agents hold them in production.
 //!
 //! The hub's peak RSS (VmHWM) and CPU time (utime + stime) are read from
 //! `/proc/<child pid>`; the 2 cores are still shared between the hub and the load
@@ -577,15 +579,24 @@ async fn dial(addr: SocketAddr, ca: &str, cluster: &str) -> Result<client::HubCl
     }
 }
 
+/// With `--hold`: the agents keep their sessions open once synced, as agents in production
+/// do, until every one has synced and the server has been read in that state.
+#[derive(Clone)]
+struct Hold {
+    synced: tokio::sync::mpsc::UnboundedSender<()>,
+    release: CancellationToken,
+}
+
 /// One load-generating agent: Hello with `managed`, an immediate StatusReport for every
-/// Apply, and after SyncComplete the end of its stream; done when the server has read
-/// it all and ended the session.
+/// Apply, and after SyncComplete (and the release, if it `hold`s) the end of its stream;
+/// done when the server has read it all and ended the session.
 async fn agent(
     addr: SocketAddr,
     ca: Arc<String>,
     cluster: String,
     managed: Vec<pb::Managed>,
     keep: bool,
+    hold: Option<Hold>,
     start: Instant,
 ) -> Result<AgentRun> {
     let hello = pb::Hello {
@@ -670,33 +681,87 @@ async fn agent(
             Some(hub_message::Kind::RenewToken(_)) | None => {}
         }
     }
+    if let Some(hold) = hold {
+        let _ = hold.synced.send(());
+        // Whatever the server sends meanwhile is read (it sends nothing to a synced agent).
+        tokio::select! {
+            _ = hold.release.cancelled() => {}
+            m = inbound.message() => bail!("{cluster}: the server sent {m:?} to a synced agent"),
+        }
+    }
     // End our half; the server reads up to the end, in order, then ends the session.
     drop(tx);
     while let Ok(Some(_)) = inbound.message().await {}
     Ok(run)
 }
 
-/// Every agent at once; returns when every one is done.
+/// The server while every agent held its synced session (`--hold`).
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    /// Its resident set then.
+    rss_mib: f64,
+    /// Its open file descriptors then.
+    open_files: usize,
+}
+
+/// Every agent at once; returns when every one is done. With `hold` (the server's pid),
+/// the server is read once every agent has synced, and only then are they released.
 async fn run_agents(
     addr: SocketAddr,
     ca: &str,
     size: &Size,
     mut managed: Vec<Vec<pb::Managed>>,
     keep: bool,
-) -> Result<(Duration, Vec<AgentRun>)> {
+    hold: Option<u32>,
+) -> Result<(Duration, Vec<AgentRun>, Option<Held>)> {
     let ca = Arc::new(ca.to_owned());
     managed.resize(size.clusters, Vec::new());
+    let (synced, mut synced_rx) = tokio::sync::mpsc::unbounded_channel();
+    let release = CancellationToken::new();
+    let hold_with = hold.map(|_| Hold {
+        synced,
+        release: release.clone(),
+    });
     let start = Instant::now();
-    let tasks: Vec<_> = managed
-        .into_iter()
-        .enumerate()
-        .map(|(i, m)| tokio::spawn(agent(addr, ca.clone(), cluster_name(i), m, keep, start)))
-        .collect();
-    let mut runs = Vec::with_capacity(tasks.len());
-    for t in tasks {
-        runs.push(t.await??);
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, m) in managed.into_iter().enumerate() {
+        let agent = agent(
+            addr,
+            ca.clone(),
+            cluster_name(i),
+            m,
+            keep,
+            hold_with.clone(),
+            start,
+        );
+        tasks.spawn(async move { agent.await.map(|run| (i, run)) });
     }
-    Ok((start.elapsed(), runs))
+    drop(hold_with);
+    let mut held = None;
+    if let Some(pid) = hold {
+        for _ in 0..size.clusters {
+            tokio::select! {
+                Some(()) = synced_rx.recv() => {}
+                Some(ended) = tasks.join_next() => {
+                    let (i, _) = ended??;
+                    bail!("{} ended its session before every agent had synced", cluster_name(i));
+                }
+            }
+        }
+        let sample = procstat::sample(Some(pid))?;
+        held = Some(Held {
+            rss_mib: sample.rss_mib,
+            open_files: procstat::open_files(pid)?,
+        });
+        release.cancel();
+    }
+    let mut runs = Vec::with_capacity(size.clusters);
+    while let Some(ended) = tasks.join_next().await {
+        runs.push(ended??);
+    }
+    runs.sort_unstable_by_key(|(i, _)| *i);
+    let runs = runs.into_iter().map(|(_, run)| run).collect();
+    Ok((start.elapsed(), runs, held))
 }
 
 /// One phase against one server: its time, and the server's and the load generators'
@@ -714,6 +779,17 @@ struct Phase {
     loadgen_cpu_s: f64,
     retries: u64,
     runs: Vec<AgentRun>,
+    /// Its RSS after its set-up, before any agent dialled.
+    setup_rss_mib: f64,
+    held: Option<Held>,
+}
+
+impl Phase {
+    /// What each held stream cost the server beyond its set-up, KiB.
+    fn kib_per_stream(&self, streams: usize) -> Option<f64> {
+        let held = self.held?;
+        Some((held.rss_mib - self.setup_rss_mib) * 1024.0 / streams as f64)
+    }
 }
 
 async fn phase(
@@ -722,9 +798,11 @@ async fn phase(
     size: &Size,
     managed: Vec<Vec<pb::Managed>>,
     keep: bool,
+    hold: bool,
 ) -> Result<Phase> {
     let (s0, l0) = (procstat::sample(Some(server.pid))?, procstat::sample(None)?);
-    let (elapsed, runs) = run_agents(server.addr, ca, size, managed, keep).await?;
+    let hold = hold.then_some(server.pid);
+    let (elapsed, runs, held) = run_agents(server.addr, ca, size, managed, keep, hold).await?;
     let (s1, l1) = (procstat::sample(Some(server.pid))?, procstat::sample(None)?);
     Ok(Phase {
         seconds: elapsed.as_secs_f64(),
@@ -740,6 +818,8 @@ async fn phase(
         loadgen_cpu_s: l1.cpu_s - l0.cpu_s,
         retries: runs.iter().map(|r| r.retries).sum(),
         runs,
+        setup_rss_mib: s0.rss_mib,
+        held,
     })
 }
 
@@ -754,8 +834,8 @@ fn tls() -> Result<flotilla_common::tls::SelfSigned> {
 const HOW: &str = "TLS gRPC on loopback; hub and floor each in their own process; the agents are load generators in this process that acknowledge every Apply with a StatusReport (no member apiserver)";
 
 /// `bench fanout`.
-pub async fn fanout(size: Size) -> Result<Report> {
-    Ok(measure(size).await?.report())
+pub async fn fanout(size: Size, hold: bool) -> Result<Report> {
+    Ok(measure(size, hold).await?.report())
 }
 
 /// One size's fan-out: the floor's, then the hub's.
@@ -771,12 +851,17 @@ pub struct Measured {
 /// `bench fanout --sweep-apps A,B,… --svg PATH`: one fan-out per number of apps (the
 /// clusters and the clusters per app as given), each table as it ends, then the figures
 /// per pair against the number of pairs, hub beside floor, as a table and a chart.
-pub async fn sweep(size: Size, apps: &[usize], svg: Option<&std::path::Path>) -> Result<Report> {
+pub async fn sweep(
+    size: Size,
+    apps: &[usize],
+    svg: Option<&std::path::Path>,
+    hold: bool,
+) -> Result<Report> {
     ensure!(!apps.is_empty(), "--sweep-apps names no size");
     // Each run with its report's JSON, made once for the table printed as it ends.
     let mut runs = Vec::with_capacity(apps.len());
     for &apps in apps {
-        let run = measure(Size { apps, ..size }).await?;
+        let run = measure(Size { apps, ..size }, hold).await?;
         let report = run.report();
         eprint!("{}", report.table());
         runs.push((run, report.json));
@@ -843,13 +928,13 @@ pub async fn sweep(size: Size, apps: &[usize], svg: Option<&std::path::Path>) ->
     })
 }
 
-async fn measure(size: Size) -> Result<Measured> {
+async fn measure(size: Size, hold: bool) -> Result<Measured> {
     size.check()?;
     let tls = tls()?;
 
     eprintln!("bench fanout: {}: floor", size.describe());
     let floor_server = Child::start(Role::Floor, &size, &tls).await?;
-    let floor = phase(&floor_server, &tls.ca_pem, &size, Vec::new(), false).await;
+    let floor = phase(&floor_server, &tls.ca_pem, &size, Vec::new(), false, hold).await;
     floor_server.stop().await?;
     let floor = floor?;
     ensure!(
@@ -866,7 +951,7 @@ async fn measure(size: Size) -> Result<Measured> {
     let hub_server = Child::start(Role::Hub, &size, &tls).await?;
     let setup = procstat::sample(Some(hub_server.pid))?;
     let hub_setup_s = hub_server.setup_s;
-    let hub = phase(&hub_server, &tls.ca_pem, &size, Vec::new(), false).await;
+    let hub = phase(&hub_server, &tls.ca_pem, &size, Vec::new(), false, hold).await;
     hub_server.stop().await?;
     let hub = hub?;
     ensure!(
@@ -895,6 +980,19 @@ impl Measured {
         } = *self;
         let pairs = size.pairs() as f64;
         let rate = |s: f64| pairs / s;
+        let held = |p: &Phase| Some((p.held?, p.kib_per_stream(size.clusters)?));
+        let held_note = |what: &str, p: &Phase| {
+            let (h, per) = held(p)?;
+            Some(format!(
+                "{what} with every agent synced and holding its session: RSS {:.0} MiB ({per:.1} KiB a stream beyond its {:.0} MiB before the agents), {} open files",
+                h.rss_mib, p.setup_rss_mib, h.open_files
+            ))
+        };
+        let held_json = |p: &Phase| {
+            held(p).map(|(h, per)| {
+                json!({"rss_mib": round(h.rss_mib, 1), "kib_per_stream": round(per, 2), "open_files": h.open_files})
+            })
+        };
         let row = |what: &str, p: &Phase| {
             vec![
                 what.to_owned(),
@@ -944,7 +1042,11 @@ impl Measured {
                 "sessions opened again after a refusal or a broken connection: floor {}, hub {}",
                 floor.retries, hub.retries
             ),
-        ],
+        ]
+        .into_iter()
+        .chain(held_note("hub", hub))
+        .chain(held_note("floor", floor))
+        .collect(),
         json: json!({
             "scenario": "fanout",
             "clusters": size.clusters,
@@ -963,6 +1065,8 @@ impl Measured {
             "floor_peak_rss_mib": round(floor.server_peak_rss_mib, 1),
             "floor_cpu_s": round(floor.server_cpu_s, 2),
             "session_retries": hub.retries,
+            "hub_held": held_json(hub),
+            "floor_held": held_json(floor),
         }),
     }
     }
@@ -979,7 +1083,7 @@ pub async fn resync(size: Size) -> Result<Report> {
         size.describe()
     );
     let first = Child::start(Role::Hub, &size, &tls).await?;
-    let cold = phase(&first, &tls.ca_pem, &size, Vec::new(), true).await;
+    let cold = phase(&first, &tls.ca_pem, &size, Vec::new(), true, false).await;
     first.stop().await?;
     let mut cold = cold?;
     let held: Vec<Vec<pb::Managed>> = cold
@@ -989,7 +1093,7 @@ pub async fn resync(size: Size) -> Result<Report> {
         .collect();
     eprintln!("bench resync: hub restarted; agents reconnect holding everything");
     let second = Child::start(Role::Hub, &size, &tls).await?;
-    let warm = phase(&second, &tls.ca_pem, &size, held, false).await;
+    let warm = phase(&second, &tls.ca_pem, &size, held, false, false).await;
     second.stop().await?;
     let warm = warm?;
 

@@ -196,6 +196,10 @@ enum Scenario {
         /// With --sweep-apps: also chart them here, as SVG
         #[arg(long, requires = "sweep_apps")]
         svg: Option<std::path::PathBuf>,
+        /// Agents hold their sessions once synced, as in production, until every one has;
+        /// the servers are read then (RSS, open files, memory per stream)
+        #[arg(long)]
+        hold: bool,
     },
     /// Propagation latency on the real environment (host + 2 members) against the watch
     /// floor; brings the environment up and down if none is running
@@ -276,9 +280,10 @@ async fn run(scenario: Scenario, json: bool, dir: &Path) -> Result<()> {
             size,
             sweep_apps,
             svg,
+            hold,
         } => match sweep_apps.is_empty() {
-            true => fanout::fanout(size).await?,
-            false => fanout::sweep(size, &sweep_apps, svg.as_deref()).await?,
+            true => fanout::fanout(size, hold).await?,
+            false => fanout::sweep(size, &sweep_apps, svg.as_deref(), hold).await?,
         },
         Scenario::Resync(size) => fanout::resync(size).await?,
         Scenario::Members { clusters } => members::members(clusters).await?,

@@ -31,6 +31,14 @@ pub fn sample(pid: Option<u32>) -> Result<Sample> {
     })
 }
 
+/// How many file descriptors `pid` holds open.
+pub fn open_files(pid: u32) -> Result<usize> {
+    let dir = format!("/proc/{pid}/fd");
+    Ok(std::fs::read_dir(&dir)
+        .with_context(|| format!("reading {dir}"))?
+        .count())
+}
+
 fn ticks_per_second() -> f64 {
     procfs::ticks_per_second() as f64
 }
@@ -76,5 +84,44 @@ mod tests {
     fn this_process_can_be_read() {
         let s = sample(None).unwrap();
         assert!(s.peak_rss_mib > 0.0 && s.rss_mib > 0.0);
+    }
+
+    #[test]
+    fn open_files_are_counted() {
+        use std::process::{Command, Stdio};
+        use std::time::Duration;
+        // Both children inherit whatever this process leaves open without close-on-exec;
+        // the second opens three files more.
+        let spawn = |script: &str| {
+            Command::new("sh")
+                .args(["-c", script])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        };
+        // Read once the count holds still (the loader opens libraries for a moment).
+        let settled = |pid: u32| {
+            let mut last = open_files(pid).unwrap();
+            loop {
+                std::thread::sleep(Duration::from_millis(100));
+                let now = open_files(pid).unwrap();
+                if now == last {
+                    return now;
+                }
+                last = now;
+            }
+        };
+        let mut plain = spawn("exec sleep 30");
+        let mut more = spawn("exec 7</dev/null 8</dev/null 9</dev/null; exec sleep 30");
+        let counted = (settled(plain.id()), settled(more.id()));
+        for child in [&mut plain, &mut more] {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+        assert!(counted.0 >= 3, "stdin, stdout, stderr at least");
+        assert_eq!(counted.1, counted.0 + 3);
+        assert!(open_files(plain.id()).is_err(), "gone");
     }
 }
