@@ -30,17 +30,17 @@ impl<K: Hash + Eq> Pending<K> {
         self.wake.notify_one();
     }
 
-    /// Marks every key given; wakes the taker only if one of them is new, so that an
-    /// empty call does not leave a wake-up behind (a taker would take nothing).
+    /// Marks every key given and wakes the taker, unless none was given: an empty call
+    /// must not leave a wake-up behind (the taker would take nothing). A key already
+    /// marked still wakes it: a take cancelled in its window (leadership lost) leaves
+    /// its keys marked and no wake-up, and the next leader marks them again.
     pub fn mark_all(&self, keys: impl IntoIterator<Item = K>) {
-        let mut marked = self.keys.lock();
-        let before = marked.len();
-        marked.extend(keys);
-        let added = marked.len() > before;
-        drop(marked);
-        if added {
-            self.wake.notify_one();
+        let mut keys = keys.into_iter().peekable();
+        if keys.peek().is_none() {
+            return;
         }
+        self.keys.lock().extend(keys);
+        self.wake.notify_one();
     }
 
     pub fn forget(&self, key: &K) {
@@ -114,5 +114,19 @@ mod tests {
         let (window, tick) = (Duration::from_secs(1), Duration::from_secs(300));
         assert_eq!(p.take(window, Some(tick), &stop).await, Some(vec![]));
         assert_eq!(started.elapsed(), tick + window, "woken before the tick");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn keys_left_by_a_cancelled_take_wake_the_next_when_marked_again() {
+        let p = Pending::default();
+        let stop = CancellationToken::new();
+        let (window, tick) = (Duration::from_secs(1), Duration::from_secs(300));
+        p.mark("a");
+        let cancelled = tokio::time::timeout(window / 2, p.take(window, None, &stop)).await;
+        assert!(cancelled.is_err(), "the take was cancelled in its window");
+        p.mark_all(["a"]);
+        let started = tokio::time::Instant::now();
+        assert_eq!(p.take(window, Some(tick), &stop).await, Some(vec!["a"]));
+        assert_eq!(started.elapsed(), window, "left waiting for the tick");
     }
 }
