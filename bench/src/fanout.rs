@@ -686,7 +686,12 @@ async fn agent(
         // Whatever the server sends meanwhile is read (it sends nothing to a synced agent).
         tokio::select! {
             _ = hold.release.cancelled() => {}
-            m = inbound.message() => bail!("{cluster}: the server sent {m:?} to a synced agent"),
+            m = inbound.message() => match m {
+                Ok(Some(m)) => bail!("{cluster}: the server sent {m:?} to a synced agent"),
+                Ok(None) => bail!("{cluster}: the server ended a synced agent's session"),
+                // E.g. the server's keepalive gave up on a load generator too busy to answer.
+                Err(e) => bail!("{cluster}: a synced agent's session broke: {e}"),
+            },
         }
     }
     // End our half; the server reads up to the end, in order, then ends the session.
