@@ -10,6 +10,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let descriptors = protox::compile(protos, ["proto"])?;
     // The manifest is rendered once and shared by every push: Bytes, not Vec<u8>.
     tonic_prost_build::configure()
+        // tonic's prost codec with a smaller yield threshold (src/codec.rs).
+        .codec_path("crate::codec::Codec")
         .bytes(".flotilla.federation.v1.Apply.manifest")
         // It carries a token: its Debug (lib.rs) prints it redacted.
         .skip_debug([".flotilla.federation.v1.RenewToken"])

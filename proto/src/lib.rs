@@ -3,6 +3,7 @@
 //! external scaler interface (`proto/externalscaler.proto`), which the agent serves.
 
 pub mod client;
+pub mod codec;
 mod key;
 
 pub use flotilla_crds::AppKey;
