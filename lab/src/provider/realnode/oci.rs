@@ -136,20 +136,17 @@ pub fn pause_image(pause: &Path, name: &str) -> ImageSpec {
 /// by root). Symbolic links are refused: nothing here needs them.
 pub fn tree(src: &Path, dest: &str) -> Result<Vec<Entry>> {
     let dest = format!("/{}", dest.trim_matches('/'));
-    let mut entries = Vec::new();
-    let mut parent = String::new();
-    for part in dest
-        .split('/')
-        .filter(|p| !p.is_empty())
-        .rev()
+    // Every ancestor but `dest` itself and `/`, outermost first.
+    let parents: Vec<&Path> = Path::new(&dest)
+        .ancestors()
         .skip(1)
-        .collect::<Vec<_>>()
-        .into_iter()
+        .filter(|p| p.parent().is_some())
+        .collect();
+    let mut entries: Vec<Entry> = parents
+        .iter()
         .rev()
-    {
-        parent = format!("{parent}/{part}");
-        entries.push(Entry::dir(&parent, 0o755));
-    }
+        .map(|p| Entry::dir(&p.to_string_lossy(), 0o755))
+        .collect();
     add_tree(src, &dest, &mut entries)?;
     Ok(entries)
 }
@@ -436,6 +433,28 @@ mod tests {
             }
         }
         assert_eq!(found, Some(0o755));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_nested_destination_gets_its_parents_outermost_first() {
+        let dir = std::env::temp_dir().join(format!("flotilla-oci-parents-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("tool");
+        std::fs::write(&file, b"#!").unwrap();
+        let paths = |dest: &str| -> Vec<String> {
+            tree(&file, dest)
+                .unwrap()
+                .into_iter()
+                .map(|e| e.path)
+                .collect()
+        };
+        assert_eq!(
+            paths("/a/b/c/tool"),
+            ["/a", "/a/b", "/a/b/c", "/a/b/c/tool"]
+        );
+        assert_eq!(paths("a/b/tool/"), ["/a", "/a/b", "/a/b/tool"]);
+        assert_eq!(paths("/tool"), ["/tool"]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
