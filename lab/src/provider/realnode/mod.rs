@@ -41,6 +41,7 @@ pub mod pods;
 
 use crate::env::Env;
 use crate::process::{self, ProcessRecord};
+use crate::support::stdout_of;
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
@@ -208,14 +209,7 @@ fn run(cmd: &mut Command) -> Result<()> {
 
 fn run_out(cmd: &mut Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
-    if !out.status.success() {
-        bail!(
-            "{cmd:?} failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    stdout_of(format_args!("{cmd:?}"), out)
 }
 
 /// One node's recorded state.
