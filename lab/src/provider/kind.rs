@@ -114,6 +114,12 @@ async fn kind(args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// The names of the kind clusters that exist (`kind get clusters`).
+async fn kind_clusters() -> Result<Vec<String>> {
+    let out = kind(&["get", "clusters"]).await?;
+    Ok(out.lines().map(|l| l.trim().to_string()).collect())
+}
+
 /// The name of the one node of kind cluster `kind_name` (kind's naming).
 pub fn node_name(kind_name: &str) -> String {
     format!("{kind_name}-control-plane")
@@ -153,11 +159,7 @@ pub async fn load_image(kind_name: &str, archive: &Path) -> Result<()> {
 /// Helm install). `down` deletes it with the environment's (it carries the prefix).
 pub async fn create_extra(env: &Env, cluster: &str, kubeconfig: &Path) -> Result<String> {
     let name = kind_name(env, cluster);
-    if kind(&["get", "clusters"])
-        .await?
-        .lines()
-        .any(|l| l.trim() == name)
-    {
+    if kind_clusters().await?.contains(&name) {
         return Ok(name);
     }
     let config = env.dir.join(format!("kind-{cluster}.yaml"));
@@ -180,11 +182,7 @@ pub async fn create_extra(env: &Env, cluster: &str, kubeconfig: &Path) -> Result
 
 /// Deletes kind cluster `kind_name` if it exists.
 pub async fn delete_extra(kind_name: &str) -> Result<()> {
-    if kind(&["get", "clusters"])
-        .await?
-        .lines()
-        .any(|l| l.trim() == kind_name)
-    {
+    if kind_clusters().await?.iter().any(|c| c == kind_name) {
         kind(&["delete", "cluster", "--name", kind_name]).await?;
     }
     Ok(())
@@ -198,11 +196,11 @@ pub fn kwok_process(cluster: &str) -> String {
 pub async fn up(env: &mut Env) -> Result<()> {
     let config = env.dir.join("kind.yaml");
     std::fs::write(&config, kind_config())?;
-    let existing = kind(&["get", "clusters"]).await?;
+    let existing = kind_clusters().await?;
     let image = std::env::var("FLOTILLA_KIND_IMAGE").unwrap_or_default();
     for c in &env.clusters {
         let name = kind_name(env, &c.name);
-        if existing.lines().any(|l| l.trim() == name) {
+        if existing.contains(&name) {
             // Idempotent: an existing cluster only gets its kubeconfig written again.
             let kubeconfig = c.kubeconfig.to_string_lossy().into_owned();
             kind(&[
@@ -464,7 +462,7 @@ fn kwok_args(kubeconfig: &Path) -> Vec<String> {
 }
 
 pub async fn down(env: &Env) -> Result<()> {
-    let existing = kind(&["get", "clusters"]).await?;
+    let existing = kind_clusters().await?;
     for c in &env.clusters {
         let name = kind_name(env, &c.name);
         // The node's volumes (kind's anonymous `/var`), to check that they went with it.
@@ -481,7 +479,7 @@ pub async fn down(env: &Env) -> Result<()> {
             .await?;
             volumes.extend(names.split_whitespace().map(String::from));
         }
-        if existing.lines().any(|l| l.trim() == name) {
+        if existing.contains(&name) {
             let kubeconfig = c.kubeconfig.to_string_lossy().into_owned();
             kind(&[
                 "delete",
@@ -514,7 +512,7 @@ pub async fn down(env: &Env) -> Result<()> {
     }
     // Clusters a test made for itself (`create_extra`), left by a test that was stopped.
     let prefix = kind_name(env, "");
-    for name in existing.lines().map(str::trim) {
+    for name in existing.iter().map(String::as_str) {
         let ours = env.clusters.iter().any(|c| kind_name(env, &c.name) == name);
         if name.starts_with(&prefix) && !ours {
             kind(&["delete", "cluster", "--name", name])
