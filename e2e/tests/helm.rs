@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail, ensure};
 use flotilla_crds::{FederatedMyApp, MyApp};
 use flotilla_lab::federation::wait_member_ready;
 use flotilla_lab::hubcli::HubCli;
-use flotilla_lab::provider::realnode::pods::HUB_NODE_PORT;
+use flotilla_lab::provider::realnode::pods::{HUB_NODE_PORT, hub_tls_secret};
 use flotilla_lab::provider::{kind, realnode};
 use flotilla_lab::support::{cached_tool, cargo_binaries, workspace_root};
 use flotilla_lab::{Env, Provider, await_object, wait_for};
@@ -155,23 +155,8 @@ async fn helm_installs_a_hub_and_an_agent_that_federate() -> Result<()> {
     let namespaces: Api<Namespace> = Api::all(host.clone());
     let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NS}}))?;
     namespaces.create(&PostParams::default(), &ns).await?;
-    let mut data = std::collections::BTreeMap::new();
-    for f in ["ca.crt", "tls.crt", "tls.key"] {
-        data.insert(
-            f.to_string(),
-            k8s_openapi::ByteString(std::fs::read(tls.join(f))?),
-        );
-    }
-    let secret = Secret {
-        metadata: kube::api::ObjectMeta {
-            name: Some("flotilla-hub-tls".into()),
-            ..Default::default()
-        },
-        data: Some(data),
-        ..Default::default()
-    };
     Api::<Secret>::namespaced(host.clone(), NS)
-        .create(&PostParams::default(), &secret)
+        .create(&PostParams::default(), &hub_tls_secret(&tls, NS)?)
         .await?;
     let port = HUB_NODE_PORT.to_string();
     let hub_values = [

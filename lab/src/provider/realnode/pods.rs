@@ -297,6 +297,30 @@ async fn wait_deployment(
     Ok(())
 }
 
+/// The Secret the hub serves with (docs/install.md names it).
+pub const HUB_TLS_SECRET: &str = "flotilla-hub-tls";
+
+/// The Secret [`HUB_TLS_SECRET`] in `namespace`, from the `ca.crt`, `tls.crt` and `tls.key`
+/// that `flotilla-hub certs --out dir` wrote.
+pub fn hub_tls_secret(dir: &Path, namespace: &str) -> Result<Secret> {
+    let mut data = BTreeMap::new();
+    for f in ["ca.crt", "tls.crt", "tls.key"] {
+        data.insert(
+            f.to_string(),
+            k8s_openapi::ByteString(std::fs::read(dir.join(f))?),
+        );
+    }
+    Ok(Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(HUB_TLS_SECRET.into()),
+            namespace: Some(namespace.into()),
+            ..Default::default()
+        },
+        data: Some(data),
+        ..Default::default()
+    })
+}
+
 /// Installs the hub on the host and an agent on every member, as Pods on the real nodes,
 /// and waits until all of them are Ready and every member is Ready on the host.
 pub async fn up(env: &Env, bin: &Path) -> Result<()> {
@@ -360,31 +384,16 @@ pub async fn up(env: &Env, bin: &Path) -> Result<()> {
         &["apply", "-k", &hub_dir.to_string_lossy()],
     )
     .context("installing the hub (kubectl apply -k)")?;
-    let mut data = BTreeMap::new();
-    for f in ["ca.crt", "tls.crt", "tls.key"] {
-        data.insert(
-            f.to_string(),
-            k8s_openapi::ByteString(std::fs::read(tls.join(f))?),
-        );
-    }
-    let secret = Secret {
-        metadata: kube::api::ObjectMeta {
-            name: Some("flotilla-hub-tls".into()),
-            namespace: Some(HUB_NAMESPACE.into()),
-            ..Default::default()
-        },
-        data: Some(data),
-        ..Default::default()
-    };
+    let secret = hub_tls_secret(&tls, HUB_NAMESPACE)?;
     let host_client = env.client(&host.1.name).await?;
     Api::<Secret>::namespaced(host_client.clone(), HUB_NAMESPACE)
         .patch(
-            "flotilla-hub-tls",
+            HUB_TLS_SECRET,
             &PatchParams::apply(crate::cluster::FIELD_MANAGER).force(),
             &Patch::Apply(&secret),
         )
         .await
-        .context("creating the Secret flotilla-hub-tls")?;
+        .with_context(|| format!("creating the Secret {HUB_TLS_SECRET}"))?;
     wait_deployment(env, bin, &host.1.name, "flotilla-hub", 2).await?;
     let pods: Api<Pod> = Api::namespaced(host_client.clone(), HUB_NAMESPACE);
     crate::wait_for(READY_TIMEOUT, "a leading hub Pod", || async {
