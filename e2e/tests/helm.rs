@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use flotilla_crds::{FederatedMyApp, MyApp};
-use flotilla_lab::federation::wait_member_ready;
+use flotilla_lab::federation::{federated_myapp, wait_member_ready};
 use flotilla_lab::hubcli::HubCli;
 use flotilla_lab::provider::realnode::pods::{HUB_NODE_PORT, hub_tls_secret};
 use flotilla_lab::provider::{kind, realnode};
@@ -233,15 +233,11 @@ async fn helm_installs_a_hub_and_an_agent_that_federate() -> Result<()> {
     // A FederatedMyApp on the chart's hub reaches the member.
     let name = "helm-web";
     let fed: Api<FederatedMyApp> = Api::namespaced(host.clone(), "default");
-    let app = json!({
-        "apiVersion": "core.kubefed.io/v1beta1",
-        "kind": "FederatedMyApp",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "placement": {"clusters": [{"name": MEMBER}]},
-            "template": {"spec": {"replicas": 2, "image": "nginx:1.27", "config": {"app.conf": "x=1"}}},
-        },
-    });
+    let app = federated_myapp(
+        name,
+        &[MEMBER],
+        json!({"replicas": 2, "image": "nginx:1.27", "config": {"app.conf": "x=1"}}),
+    );
     let t = Instant::now();
     fed.patch(
         name,

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use flotilla_crds::{FederatedMyApp, MemberCluster, MyApp};
-use flotilla_lab::federation::wait_member_ready;
+use flotilla_lab::federation::{federated_myapp, wait_member_ready};
 use flotilla_lab::provider::realnode::{self, REAL_NODE_KEY, oci, pods as install};
 use flotilla_lab::{Env, Role, await_object, wait_for};
 use k8s_openapi::api::core::v1::Pod;
@@ -225,15 +225,11 @@ async fn deleting_the_leading_hub_pod_fails_over_to_the_standby(env: &Env) -> Re
     }
     let name = "real-node-failover";
     let fed: Api<FederatedMyApp> = Api::namespaced(host.clone(), "default");
-    let app = json!({
-        "apiVersion": "core.kubefed.io/v1beta1",
-        "kind": "FederatedMyApp",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "placement": {"clusters": members.iter().map(|m| json!({"name": m})).collect::<Vec<_>>()},
-            "template": {"spec": {"replicas": 2, "image": "nginx:1.27"}},
-        },
-    });
+    let app = federated_myapp(
+        name,
+        &members,
+        json!({"replicas": 2, "image": "nginx:1.27"}),
+    );
     fed.patch(
         name,
         &PatchParams::apply("realnodes-test").force(),

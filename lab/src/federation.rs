@@ -41,6 +41,28 @@ pub fn region_of(member: &str) -> &'static str {
     if member == "cluster2" { "us" } else { "eu" }
 }
 
+/// A FederatedMyApp `default/name` placed on `clusters`, its MyApps' spec `template` (for a
+/// server-side apply).
+pub fn federated_myapp(
+    name: &str,
+    clusters: &[impl AsRef<str>],
+    template: serde_json::Value,
+) -> serde_json::Value {
+    let clusters: Vec<_> = clusters
+        .iter()
+        .map(|c| serde_json::json!({"name": c.as_ref()}))
+        .collect();
+    serde_json::json!({
+        "apiVersion": "core.kubefed.io/v1beta1",
+        "kind": "FederatedMyApp",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "placement": {"clusters": clusters},
+            "template": {"spec": template},
+        },
+    })
+}
+
 /// How one component was started.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Launch {
