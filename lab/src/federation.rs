@@ -106,17 +106,20 @@ pub fn agent_name(cluster: &str) -> String {
     format!("flotilla-agent-{cluster}")
 }
 
-/// The directory holding `flotilla-hub` and `flotilla-agent`: `$FLOTILLA_BIN_DIR`, or
-/// wherever cargo builds them (built now if stale).
-fn binaries() -> Result<(PathBuf, PathBuf)> {
+/// The paths of the workspace binaries `names` (each built from the package of its name):
+/// in `$FLOTILLA_BIN_DIR`, or wherever cargo builds them (built now if stale).
+pub fn flotilla_binaries(names: &[&str]) -> Result<BTreeMap<String, PathBuf>> {
     if let Some(dir) = std::env::var_os("FLOTILLA_BIN_DIR") {
         let dir = PathBuf::from(dir);
-        return Ok((dir.join("flotilla-hub"), dir.join("flotilla-agent")));
+        return Ok(names.iter().map(|n| (n.to_string(), dir.join(n))).collect());
     }
-    let mut built = cargo_binaries(&[
-        ("flotilla-hub", "flotilla-hub"),
-        ("flotilla-agent", "flotilla-agent"),
-    ])?;
+    let wanted: Vec<(&str, &str)> = names.iter().map(|n| (*n, *n)).collect();
+    cargo_binaries(&wanted)
+}
+
+/// `flotilla-hub` and `flotilla-agent`, as [`flotilla_binaries`] finds them.
+fn binaries() -> Result<(PathBuf, PathBuf)> {
+    let mut built = flotilla_binaries(&["flotilla-hub", "flotilla-agent"])?;
     let hub = built.remove("flotilla-hub").context("no flotilla-hub")?;
     let agent = built
         .remove("flotilla-agent")

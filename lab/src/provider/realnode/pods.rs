@@ -31,9 +31,9 @@
 
 use super::{self as realnode, REAL_NODE_KEY};
 use crate::env::Env;
-use crate::federation::{HUB_NAMESPACE, REGION, region_of, wait_member_ready};
+use crate::federation::{HUB_NAMESPACE, REGION, flotilla_binaries, region_of, wait_member_ready};
 use crate::hubcli::HubCli;
-use crate::support::{cargo_binaries, cargo_binaries_with, stdout_of, workspace_root};
+use crate::support::{cargo_binaries_with, stdout_of, workspace_root};
 use anyhow::{Context, Result, bail};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Pod, Secret};
@@ -355,7 +355,7 @@ pub async fn up(env: &Env, bin: &Path) -> Result<()> {
         hub_dir.join("kustomization.yaml"),
         hub_kustomization(&relative, &tag, nodes),
     )?;
-    let cli_bin = cargo_binaries(&[("flotilla-hub", "flotilla-hub")])?;
+    let cli_bin = flotilla_binaries(&["flotilla-hub"])?;
     let cli = HubCli {
         program: cli_bin["flotilla-hub"].clone(),
         kubeconfig: host_kubeconfig.to_path_buf(),
