@@ -25,7 +25,6 @@ pub fn stdout_of(what: impl std::fmt::Display, out: std::process::Output) -> Res
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// The workspace root, known at compile time (the binaries and the tests live in it).
 /// The newest directory under `~/.cache/flotilla/tools` whose name starts with `prefix`
 /// (`deploy/verify.sh` builds them: helm, controller-gen, the Prometheus CRDs, …).
 pub fn cached_tool(prefix: &str) -> Result<PathBuf> {
@@ -51,6 +50,7 @@ pub fn cached_tool(prefix: &str) -> Result<PathBuf> {
     })
 }
 
+/// The workspace root, known at compile time (the binaries and the tests live in it).
 pub fn workspace_root() -> PathBuf {
     let lab = Path::new(env!("CARGO_MANIFEST_DIR"));
     lab.parent().unwrap_or(lab).to_path_buf()
