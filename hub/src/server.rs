@@ -478,7 +478,10 @@ async fn receive_loop(
                         .error
                         .truncate(answer.error.floor_char_boundary(RENEWAL_ERROR_MAX));
                 }
-                renewer.renewed(&queue, answer).await;
+                // Boxed: inline, its state would widen this loop's future, which every
+                // session keeps for its life, by ~2 KiB (BENCHMARKS.md, "A session's
+                // receive loop").
+                Box::pin(renewer.renewed(&queue, answer)).await;
             }
             Ok(Some(_)) => warn!(%cluster, "unexpected message ignored"),
             Ok(None) => break,
