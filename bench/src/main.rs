@@ -14,6 +14,8 @@
 //! - [`join`]: agent start → MemberCluster Ready, against a new client's first write,
 //! - [`hostwrites`]: the real hub's writes to a real host apiserver with K simulated
 //!   clusters: converging, idle, session flaps, a hub restart; the largest status,
+//! - [`index`]: the hub's pair table, `CompactIndex` against the old `Index`, each
+//!   measurement in a fresh child process: cold start, reports, resident bytes a pair,
 //! - [`stats`]: percentiles, the bootstrap interval and the verdict (pure, tested),
 //! - [`chart`]: the samples as an SVG chart (`latency --svg`),
 //! - [`procstat`]: peak RSS and CPU time of one process, from `/proc`.
@@ -22,6 +24,7 @@ mod chart;
 mod fanout;
 mod footprint;
 mod hostwrites;
+mod index;
 mod join;
 mod latency;
 mod members;
@@ -234,6 +237,19 @@ enum Scenario {
         #[arg(long, default_value_t = 10_000)]
         clusters: usize,
     },
+    /// The hub's pair table, CompactIndex against Index, at N clusters × M apps with every
+    /// agent connected: cold start, reports, resident bytes a pair; each measurement in a
+    /// fresh child process, the two alternated (use a release build)
+    Index {
+        #[command(flatten)]
+        size: index::Size,
+        /// Measurements of each index
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        /// Measure this one index and print its figures (the scenario's child processes)
+        #[arg(long, hide = true)]
+        child: Option<index::Kind>,
+    },
     /// A server for the fan-out scenarios, run by them in a child process
     #[command(hide = true)]
     Serve {
@@ -287,6 +303,14 @@ async fn run(scenario: Scenario, json: bool, dir: &Path) -> Result<()> {
         },
         Scenario::Resync(size) => fanout::resync(size).await?,
         Scenario::Members { clusters } => members::members(clusters).await?,
+        Scenario::Index {
+            size,
+            rounds,
+            child,
+        } => match child {
+            Some(kind) => return index::child(kind, size),
+            None => index::index(size, rounds)?,
+        },
         Scenario::Latency { samples, svg } => {
             on_environment(dir, "latency", |env| async move {
                 latency::latency(&env, samples, svg.as_deref()).await
