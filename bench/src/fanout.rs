@@ -51,7 +51,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::watcher;
 use prost::Message as _;
 use secrecy::ExposeSecret;
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tokio_util::sync::CancellationToken;
@@ -795,6 +795,23 @@ impl Phase {
         let held = self.held?;
         Some((held.rss_mib - self.setup_rss_mib) * 1024.0 / streams as f64)
     }
+
+    /// The server as every agent held its synced session, in words (`--hold` only).
+    fn held_note(&self, what: &str, streams: usize) -> Option<String> {
+        let (held, per) = (self.held?, self.kib_per_stream(streams)?);
+        Some(format!(
+            "{what} with every agent synced and holding its session: RSS {:.0} MiB ({per:.1} KiB a stream beyond its {:.0} MiB before the agents), {} open files",
+            held.rss_mib, self.setup_rss_mib, held.open_files
+        ))
+    }
+
+    /// The same, for `--json` (null without `--hold`).
+    fn held_json(&self, streams: usize) -> Value {
+        let (Some(held), Some(per)) = (self.held, self.kib_per_stream(streams)) else {
+            return Value::Null;
+        };
+        json!({"rss_mib": round(held.rss_mib, 1), "kib_per_stream": round(per, 2), "open_files": held.open_files})
+    }
 }
 
 async fn phase(
@@ -985,19 +1002,6 @@ impl Measured {
         } = *self;
         let pairs = size.pairs() as f64;
         let rate = |s: f64| pairs / s;
-        let held = |p: &Phase| Some((p.held?, p.kib_per_stream(size.clusters)?));
-        let held_note = |what: &str, p: &Phase| {
-            let (h, per) = held(p)?;
-            Some(format!(
-                "{what} with every agent synced and holding its session: RSS {:.0} MiB ({per:.1} KiB a stream beyond its {:.0} MiB before the agents), {} open files",
-                h.rss_mib, p.setup_rss_mib, h.open_files
-            ))
-        };
-        let held_json = |p: &Phase| {
-            held(p).map(|(h, per)| {
-                json!({"rss_mib": round(h.rss_mib, 1), "kib_per_stream": round(per, 2), "open_files": h.open_files})
-            })
-        };
         let row = |what: &str, p: &Phase| {
             vec![
                 what.to_owned(),
@@ -1049,8 +1053,8 @@ impl Measured {
             ),
         ]
         .into_iter()
-        .chain(held_note("hub", hub))
-        .chain(held_note("floor", floor))
+        .chain(hub.held_note("hub", size.clusters))
+        .chain(floor.held_note("floor", size.clusters))
         .collect(),
         json: json!({
             "scenario": "fanout",
@@ -1070,8 +1074,8 @@ impl Measured {
             "floor_peak_rss_mib": round(floor.server_peak_rss_mib, 1),
             "floor_cpu_s": round(floor.server_cpu_s, 2),
             "session_retries": hub.retries,
-            "hub_held": held_json(hub),
-            "floor_held": held_json(floor),
+            "hub_held": hub.held_json(size.clusters),
+            "floor_held": floor.held_json(size.clusters),
         }),
     }
     }
@@ -1080,7 +1084,9 @@ impl Measured {
 /// `bench resync`: the agents sync once with nothing applied (the baseline), the hub
 /// process is stopped and a new one plans everything again, and the agents reconnect
 /// saying in Hello that they hold every MyApp at its current hash. Target: no Apply.
-pub async fn resync(size: Size) -> Result<Report> {
+/// With `hold`, each hub is read as every agent holds its synced session: after the
+/// restart a session has read a Hello listing every MyApp of its cluster.
+pub async fn resync(size: Size, hold: bool) -> Result<Report> {
     size.check()?;
     let tls = tls()?;
     eprintln!(
@@ -1088,7 +1094,7 @@ pub async fn resync(size: Size) -> Result<Report> {
         size.describe()
     );
     let first = Child::start(Role::Hub, &size, &tls).await?;
-    let cold = phase(&first, &tls.ca_pem, &size, Vec::new(), true, false).await;
+    let cold = phase(&first, &tls.ca_pem, &size, Vec::new(), true, hold).await;
     first.stop().await?;
     let mut cold = cold?;
     let held: Vec<Vec<pb::Managed>> = cold
@@ -1098,7 +1104,7 @@ pub async fn resync(size: Size) -> Result<Report> {
         .collect();
     eprintln!("bench resync: hub restarted; agents reconnect holding everything");
     let second = Child::start(Role::Hub, &size, &tls).await?;
-    let warm = phase(&second, &tls.ca_pem, &size, held, false, false).await;
+    let warm = phase(&second, &tls.ca_pem, &size, held, false, hold).await;
     second.stop().await?;
     let warm = warm?;
 
@@ -1141,7 +1147,11 @@ pub async fn resync(size: Size) -> Result<Report> {
                 "sessions opened again after a refusal or a broken connection: baseline {}, resync {}",
                 cold.retries, warm.retries
             ),
-        ],
+        ]
+        .into_iter()
+        .chain(cold.held_note("hub, baseline", size.clusters))
+        .chain(warm.held_note("hub after the restart", size.clusters))
+        .collect(),
         json: json!({
             "scenario": "resync",
             "clusters": size.clusters,
@@ -1156,6 +1166,8 @@ pub async fn resync(size: Size) -> Result<Report> {
             "baseline_apply_messages": cold.applies,
             "baseline_bytes": cold.apply_bytes + cold.sync_bytes,
             "baseline_seconds": round(cold.to_sync_s, 3),
+            "hub_held": warm.held_json(size.clusters),
+            "baseline_hub_held": cold.held_json(size.clusters),
         }),
     })
 }

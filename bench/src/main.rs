@@ -214,7 +214,14 @@ enum Scenario {
         svg: Option<std::path::PathBuf>,
     },
     /// Agents holding everything reconnect to a restarted hub: Applies and bytes sent
-    Resync(fanout::Size),
+    Resync {
+        #[command(flatten)]
+        size: fanout::Size,
+        /// Agents hold their sessions once synced, until every one has; each hub is read
+        /// then (RSS, open files, memory per stream)
+        #[arg(long)]
+        hold: bool,
+    },
     /// Agent memory and idle CPU with many MyApps on a real member, hub memory per 1,000
     /// pairs (use release builds: FLOTILLA_BIN_DIR); brings the environment up and down
     /// if none is running
@@ -301,7 +308,7 @@ async fn run(scenario: Scenario, json: bool, dir: &Path) -> Result<()> {
             true => fanout::fanout(size, hold).await?,
             false => fanout::sweep(size, &sweep_apps, svg.as_deref(), hold).await?,
         },
-        Scenario::Resync(size) => fanout::resync(size).await?,
+        Scenario::Resync { size, hold } => fanout::resync(size, hold).await?,
         Scenario::Members { clusters } => members::members(clusters).await?,
         Scenario::Index {
             size,
